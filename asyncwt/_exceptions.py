@@ -1,0 +1,73 @@
+"""Every error asyncwt raises on purpose derives from `AsyncwtError`.
+
+Hierarchy::
+
+    AsyncwtError
+    ├── PlanMismatchError      trainer and worker derived different transfer plans
+    ├── SourceMismatchError    the weight source yielded something the plan did not expect
+    ├── TransferError          the data plane failed
+    │   ├── AuthenticationError    a peer failed the token challenge
+    │   ├── ProtocolError          a frame header or handshake was malformed
+    │   ├── TransferAbortedError   the peer aborted the round
+    │   └── TransferTimeoutError   a wait on the peer ran past its timeout
+    ├── ApplyError             background post-processing on the worker failed
+    └── ControlPlaneError      an RPC to a worker failed (HTTP status, bad reply)
+
+Bad arguments are `ValueError`/`TypeError`, as in the standard library: they are the
+caller's bug, not a runtime condition of the transfer.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ApplyError",
+    "AsyncwtError",
+    "AuthenticationError",
+    "ControlPlaneError",
+    "PlanMismatchError",
+    "ProtocolError",
+    "SourceMismatchError",
+    "TransferAbortedError",
+    "TransferError",
+    "TransferTimeoutError",
+]
+
+
+class AsyncwtError(Exception):
+    """Root of every error asyncwt raises about a transfer."""
+
+
+class PlanMismatchError(AsyncwtError):
+    """The two ends of a transfer derived different plans (metadata or wire parameters)."""
+
+
+class SourceMismatchError(AsyncwtError):
+    """A `WeightSource` yielded a name, dtype or shape other than the plan expected."""
+
+
+class TransferError(AsyncwtError):
+    """The data plane failed; the round did not complete."""
+
+
+class AuthenticationError(TransferError):
+    """A peer did not prove knowledge of the shared token."""
+
+
+class ProtocolError(TransferError):
+    """A peer sent a frame or handshake message that does not fit the protocol or plan."""
+
+
+class TransferAbortedError(TransferError):
+    """The peer aborted the round (its side failed or was cancelled)."""
+
+
+class TransferTimeoutError(TransferError):
+    """A wait on the peer ran past its configured timeout."""
+
+
+class ApplyError(AsyncwtError):
+    """Post-processing (unpack, transform, load) of a received parameter failed."""
+
+
+class ControlPlaneError(AsyncwtError):
+    """A control-plane call to a worker failed."""

@@ -1,0 +1,174 @@
+"""The worker side of the interface: config, info types and the engine base."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from ._client import WeightTransferUpdatePayload
+
+__all__ = [
+    "WeightTransferConfig",
+    "WeightTransferEngine",
+    "WeightTransferInitInfo",
+    "WeightTransferInitRequest",
+    "WeightTransferUpdateInfo",
+    "WeightTransferUpdateRequest",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightTransferConfig:
+    """Which worker engine to build, and its local (non-wire) options."""
+
+    backend: str = "tcp"
+    """Registry key of the worker engine, e.g. `"tcp"`."""
+
+    apply_threads: int = 2
+    """Background threads that unpack and load received buckets."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend should be a non-empty str, got {self.backend!r}")
+        if not isinstance(self.apply_threads, int) or self.apply_threads < 1:
+            raise ValueError(f"apply_threads should be an int >= 1, got {self.apply_threads!r}")
+
+
+@dataclass
+class WeightTransferInitInfo(ABC):  # noqa: B024 - a marker base, as in vLLM
+    """Base of every backend's worker-side init info (what the trainer sends at init)."""
+
+
+@dataclass
+class WeightTransferUpdateInfo(ABC):  # noqa: B024 - a marker base, as in vLLM
+    """Base of every backend's per-round update info."""
+
+
+@dataclass
+class WeightTransferInitRequest:
+    """Body of the `init_weight_transfer_engine` route."""
+
+    init_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightTransferUpdateRequest:
+    """Body of the `update_weights` route."""
+
+    update_info: WeightTransferUpdatePayload = field(default_factory=dict)
+
+
+TInitInfo = TypeVar("TInitInfo", bound=WeightTransferInitInfo)
+TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator is not None and bool(accelerator.is_available())
+
+
+class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
+    """The worker's side of a weight transfer: receives rounds, loads the model.
+
+    A round is `start_weight_update()`, one or more `update_weights(info)`, then
+    `finish_weight_update()`. An engine with `defers_processing = True` returns from
+    `update_weights` once bytes are received and applies them on background threads;
+    `finish_weight_update` (or `drain_pending`, for a caller that runs the tail
+    itself) is what guarantees they are applied.
+
+    `vllm_config` is optional: asyncwt runs with or without vLLM. Subclasses set
+    `init_info_cls` and `update_info_cls`.
+    """
+
+    init_info_cls: ClassVar[type[Any]]
+    update_info_cls: ClassVar[type[Any]]
+
+    supports_draft_weight_update: ClassVar[bool] = True
+
+    defers_processing: ClassVar[bool] = False
+    """Whether `update_weights` returns before the weights are applied.
+
+    When set, `update_weights` does not synchronise the device (that would serialise
+    the background pipeline); `finish_weight_update` drains instead. A caller that
+    drives the tail itself must call `drain_pending()` first.
+    """
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: Any | None,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.parallel_config = getattr(vllm_config, "parallel_config", None)
+        self.model_config = getattr(vllm_config, "model_config", None)
+        self.device = device
+        self.model = model
+        self._default_model = model
+        self._default_model_config = self.model_config
+
+    def drain_pending(self) -> None:
+        """Block until every deferred update is applied. Idempotent; a no-op here."""
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """Direct the next updates at `model` (e.g. a draft model)."""
+        self.model = model
+        self.model_config = model_config
+
+    def reset_weight_update_target(self) -> None:
+        """Direct updates back at the model the engine was built with."""
+        self.model = self._default_model
+        self.model_config = self._default_model_config
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
+        """Build the typed init info; a bad dict becomes `ValueError`."""
+        return _parse(self.init_info_cls, init_dict, "init_info", type(self).__name__)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
+        """Build the typed update info; a bad dict becomes `ValueError`."""
+        return _parse(self.update_info_cls, update_dict, "update_info", type(self).__name__)
+
+    @abstractmethod
+    def init_transfer_engine(self, init_info: TInitInfo) -> None:
+        """Set up the transport (once, before the first round)."""
+
+    @abstractmethod
+    def start_weight_update(self) -> None:
+        """Prepare for a new round."""
+
+    @abstractmethod
+    def finish_weight_update(self) -> None:
+        """Complete the round: after it returns, the weights are applied."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Parse `update_info` and receive the weights it announces.
+
+        Without `defers_processing`, the device is synchronised before returning (only
+        when an accelerator exists: a CPU-only torch cannot synchronise).
+        """
+        self.receive_weights(self.parse_update_info(update_info))
+        if not self.defers_processing and _accelerator_available():
+            torch.accelerator.synchronize()
+
+    @abstractmethod
+    def receive_weights(self, update_info: TUpdateInfo) -> None:
+        """Receive the weights `update_info` announces and load (or queue) them."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release transfer resources; the worker itself keeps running."""
+
+
+def _parse(cls: type[Any], data: object, what: str, owner: str) -> Any:
+    """The one place where a dict becomes a typed info object."""
+    if not isinstance(data, dict):
+        raise ValueError(f"Invalid {what} for {owner}: expected a dict, got {type(data).__name__}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"Invalid {what} for {owner}: {exc}") from exc
