@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
@@ -30,11 +31,18 @@ class WeightTransferConfig:
     apply_threads: int = 2
     """Background threads that unpack and load received buckets."""
 
+    transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None
+    """Per-parameter hook `(name, tensor) -> tensor` run before loading (cast, quantise).
+    It runs on the apply threads; it must not keep the tensor it is given (a view of a
+    receive buffer that is reused)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend should be a non-empty str, got {self.backend!r}")
         if not isinstance(self.apply_threads, int) or self.apply_threads < 1:
             raise ValueError(f"apply_threads should be an int >= 1, got {self.apply_threads!r}")
+        if self.transform is not None and not callable(self.transform):
+            raise ValueError(f"transform should be callable or None, got {self.transform!r}")
 
 
 @dataclass

@@ -1,0 +1,202 @@
+"""The worker's deferred applier: unpack, transform and load buckets off the hot path.
+
+`update_weights` only receives; each received bucket is handed here and processed
+on background threads while the next bucket arrives. A bucket's buffer goes back
+to the receiver only after its last reader (this applier) finished with it. Errors
+are kept, never lost: `drain()` waits for everything and raises the first one,
+naming the parameter.
+
+Where a parameter's bytes can land where they are applied (a plain model, a CPU
+parameter that is contiguous and already of the wire dtype, no transform), the
+receiver writes straight into it and the applier has nothing left to do: a
+received byte is copied once, by the kernel.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ._bytes import byte_view
+from ._exceptions import ApplyError
+from ._plan import Bucket, TransferPlan
+
+__all__ = ["DeferredApplier", "ModelTarget", "Transform"]
+
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+"""A per-parameter hook `(name, tensor) -> tensor` run before loading (cast, quantise)."""
+
+
+@dataclass
+class ModelTarget:
+    """How received parameters reach one model, resolved once per plan and model."""
+
+    model: torch.nn.Module
+    plan: TransferPlan
+    transform: Transform | None
+    load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] | None
+    params: dict[str, torch.Tensor]
+    direct: tuple[bool, ...]
+    """Per plan parameter: whether its bytes are received straight into the model."""
+
+    @classmethod
+    def resolve(
+        cls, model: torch.nn.Module, plan: TransferPlan, transform: Transform | None
+    ) -> ModelTarget:
+        """Match `plan` against `model`; a parameter it cannot take is a `ValueError`.
+
+        A model with `load_weights` (vLLM's models) takes whatever it accepts, so
+        nothing is checked up front; otherwise every plan parameter must exist in
+        `named_parameters()` with the same shape.
+        """
+        load = getattr(model, "load_weights", None)
+        params = dict(model.named_parameters())
+        if callable(load):
+            return cls(model, plan, transform, load, params, (False,) * len(plan.params))
+        direct = []
+        for meta in plan.params:
+            param = params.get(meta.name)
+            if param is None:
+                raise ValueError(
+                    f"the worker's model has no parameter {meta.name!r} that the trainer sends "
+                    f"(it has {len(params)} parameters); load_weights is not defined to map names"
+                )
+            if tuple(param.shape) != meta.shape:
+                raise ValueError(
+                    f"parameter {meta.name!r}: the worker's shape is {tuple(param.shape)}, "
+                    f"the trainer sends {meta.shape}"
+                )
+            direct.append(
+                transform is None
+                and param.device.type == "cpu"
+                and param.dtype == meta.dtype
+                and param.is_contiguous()
+            )
+        return cls(model, plan, transform, None, params, tuple(direct))
+
+    def landing_view(self, index: int) -> memoryview:
+        """The bytes of plan parameter `index` inside the model (direct landing)."""
+        return byte_view(self.params[self.plan.params[index].name].data)
+
+
+class DeferredApplier:
+    """Applies received buckets on `threads` background threads."""
+
+    def __init__(self, threads: int) -> None:
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="asyncwt-apply")
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = []
+        self._error: ApplyError | None = None
+        self._partial: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def submit(
+        self,
+        target: ModelTarget,
+        round_id: int,
+        bucket: Bucket,
+        buffer: torch.Tensor | None,
+        release: Callable[[], None],
+    ) -> None:
+        """Queue `bucket` (received into `buffer`) for applying; `release` frees the buffer."""
+        future = self._executor.submit(self._apply, target, round_id, bucket, buffer, release)
+        with self._lock:
+            self._futures.append(future)
+
+    def drain(self) -> None:
+        """Wait for every queued bucket; raise the first error (once), then reset."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()
+        with self._lock:
+            error, self._error = self._error, None
+            self._partial.clear()
+        if error is not None:
+            raise error
+
+    def shutdown(self) -> None:
+        """Finish queued work and stop the threads."""
+        self._executor.shutdown(wait=True)
+
+    def _apply(
+        self,
+        target: ModelTarget,
+        round_id: int,
+        bucket: Bucket,
+        buffer: torch.Tensor | None,
+        release: Callable[[], None],
+    ) -> None:
+        name = "?"
+        try:
+            with self._lock:
+                if self._error is not None:
+                    return  # the round already failed; don't pile on
+            ready: list[tuple[str, torch.Tensor]] = []
+            for s in bucket.slices:
+                if target.direct[s.param]:
+                    continue
+                meta = target.plan.params[s.param]
+                name = meta.name
+                assert buffer is not None
+                region = buffer[s.offset : s.offset + s.nbytes]
+                if s.nbytes == meta.nbytes:
+                    ready.append((name, _as_tensor(region, meta.dtype, meta.shape)))
+                    continue
+                whole = self._reassemble(s.param, meta.nbytes, s.start, region)
+                if whole is not None:
+                    ready.append((name, _as_tensor(whole, meta.dtype, meta.shape)))
+            if target.transform is not None:
+                transformed = []
+                for name, tensor in ready:
+                    transformed.append((name, target.transform(name, tensor)))
+                ready = transformed
+            if target.load_weights is not None:
+                names = [n for n, _ in ready]
+                name = names[0] if len(names) == 1 else f"one of {names}"
+                with torch.no_grad():
+                    target.load_weights(ready)
+            else:
+                with torch.no_grad():
+                    for name, tensor in ready:
+                        target.params[name].data.copy_(tensor)
+        except BaseException as exc:
+            error = ApplyError(
+                f"round {round_id}, bucket {bucket.index}: applying parameter {name} failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            with self._lock:
+                if self._error is None:
+                    self._error = error
+        finally:
+            release()
+
+    def _reassemble(
+        self, index: int, nbytes: int, start: int, region: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Collect a chunked parameter; return it whole once its last byte arrived."""
+        with self._lock:
+            whole, got = self._partial.get(index, (None, 0))
+            if whole is None:
+                whole = torch.empty(nbytes, dtype=torch.uint8)
+            self._partial[index] = (whole, got)
+        whole[start : start + region.numel()].copy_(region)
+        with self._lock:
+            whole, got = self._partial[index]
+            got += region.numel()
+            if got < nbytes:
+                self._partial[index] = (whole, got)
+                return None
+            del self._partial[index]
+            return whole
+
+
+def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """View `raw` bytes as a tensor of `dtype` and `shape` (no copy)."""
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw.view(dtype).reshape(shape)

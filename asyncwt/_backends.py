@@ -1,0 +1,10 @@
+"""Registers the backends that ship with asyncwt (imported by the package)."""
+
+from __future__ import annotations
+
+from ._registry import register_trainer_engine, register_worker_engine
+from ._tcp_trainer import TcpTrainerEngine
+from ._tcp_worker import TcpWorkerEngine
+
+register_trainer_engine("tcp", TcpTrainerEngine)
+register_worker_engine("tcp", TcpWorkerEngine)

@@ -1,0 +1,324 @@
+"""The trainer's round pipeline: iterate → pack → send, joined by bounded channels.
+
+- *iterate* runs the source in a worker thread (it may run collectives and device
+  work), checks every yield against the plan, and hands out one `_Work` per bucket
+  as soon as every tensor the bucket needs has been yielded;
+- *pack* takes a slot from a fixed pool (`num_buffers` of them: the backpressure)
+  and turns the work into wire segments. A contiguous CPU tensor is sent in place
+  (a byte view, no copy); anything else is copied into the slot's staging buffer
+  on the pack lane, whose event the next stage waits for;
+- *send* waits for that event without blocking the loop, hands the segments to the
+  sink (the transport), then returns the slot.
+
+One task group owns the three stages: the first failure or a cancellation cancels
+the others and re-raises. Slots are per round, so nothing stays held afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._bytes import byte_view
+from ._concurrency import single_error
+from ._exceptions import SourceMismatchError
+from ._lanes import DeviceLane, LaneEvent, staging_buffer
+from ._plan import Bucket, Slice, TransferPlan
+from ._source import WeightSource
+from ._stats import StageClock
+
+__all__ = ["BucketSink", "PipelineConfig", "StagingPool", "run_pipeline", "iterate_and_check"]
+
+
+class BucketSink(Protocol):
+    """Where the send stage delivers buckets (a transport's sending side)."""
+
+    async def send_bucket(self, bucket: Bucket, segments: list[memoryview]) -> None:
+        """Deliver `bucket`'s payload; the segments stay valid until this returns."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How the pipeline runs; fixed for an engine's lifetime."""
+
+    num_buffers: int = 2
+    """Buckets in flight between pack and send (each may hold one staging buffer)."""
+    zero_copy: bool = True
+    """Send contiguous CPU tensors in place instead of packing them."""
+    queue_depth: int = 2
+    """Buckets the iterate stage may run ahead of the pack stage."""
+
+
+class StagingPool:
+    """`num_buffers` bucket-sized host buffers, allocated on first use, kept for reuse."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device) -> None:
+        self.count = count
+        self.nbytes = nbytes
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * count
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = self._buffers[slot] = staging_buffer(self.nbytes, self.device)
+        return buffer
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+
+@dataclass
+class _Work:
+    bucket: Bucket
+    tensors: list[torch.Tensor]
+    """One contiguous tensor per slice of the bucket."""
+    ready: LaneEvent
+    """Recorded on the iterate lane after the bucket's last tensor was produced."""
+
+
+@dataclass
+class _Packed:
+    bucket: Bucket
+    segments: list[memoryview]
+    slot: int
+    ready: LaneEvent
+    keepalive: _Work
+
+
+def _check_yield(plan: TransferPlan, expected: list[int], pos: int, name: str, tensor: object) -> int:
+    """Return the plan index of the parameter at `pos`, or raise `SourceMismatchError`."""
+    if pos >= len(expected):
+        raise SourceMismatchError(
+            f"source yielded {name!r} at index {pos}, after all {len(expected)} expected "
+            f"parameters; expected the iteration to end"
+        )
+    meta = plan.params[expected[pos]]
+    if name != meta.name:
+        raise SourceMismatchError(
+            f"source yielded {name!r} at index {pos}, expected {meta.name!r} "
+            f"(parameters must come in metadata order)"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise SourceMismatchError(
+            f"parameter {name!r} (index {pos}): expected a torch.Tensor, got {type(tensor).__name__}"
+        )
+    if tensor.dtype != meta.dtype:
+        raise SourceMismatchError(
+            f"parameter {name!r} (index {pos}): dtype should be {meta.dtype}, got {tensor.dtype}"
+        )
+    if tuple(tensor.shape) != meta.shape:
+        raise SourceMismatchError(
+            f"parameter {name!r} (index {pos}): shape should be {meta.shape}, "
+            f"got {tuple(tensor.shape)}"
+        )
+    return expected[pos]
+
+
+def _check_end(plan: TransferPlan, expected: list[int], pos: int) -> None:
+    if pos < len(expected):
+        missing = plan.params[expected[pos]].name
+        raise SourceMismatchError(
+            f"source stopped after {pos} parameters, expected {len(expected)}; "
+            f"first missing: {missing!r} (index {pos})"
+        )
+
+
+def _iter_pairs(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    with torch.no_grad():
+        yield from source.iter_full()
+
+
+def iterate_and_check(
+    plan: TransferPlan, expected: list[int], source: WeightSource, lane: DeviceLane
+) -> None:
+    """Run a full pass of `source.iter_full()` and check it, keeping nothing.
+
+    What non-sender ranks do: their collectives must line up with the sender's.
+    """
+    pairs = _iter_pairs(source)
+    pos = 0
+    try:
+        with lane.activate():
+            for name, tensor in pairs:
+                _check_yield(plan, expected, pos, name, tensor)
+                pos += 1
+        _check_end(plan, expected, pos)
+    finally:
+        pairs.close()
+
+
+def _iterate(
+    plan: TransferPlan,
+    source: WeightSource,
+    lane: DeviceLane,
+    out: MemoryObjectSendStream[_Work],
+    stop: threading.Event,
+    clock: StageClock,
+) -> None:
+    """The iterate stage's thread body: yield → check → group by bucket → hand out."""
+    expected = list(range(len(plan.params)))
+    held: dict[int, torch.Tensor] = {}
+    next_bucket = 0
+    pos = 0
+    pairs = _iter_pairs(source)
+    try:
+        with lane.activate():
+            clock.start()
+            for name, tensor in pairs:
+                if stop.is_set():
+                    return
+                index = _check_yield(plan, expected, pos, name, tensor)
+                pos += 1
+                held[index] = tensor.detach().contiguous()
+                while next_bucket < len(plan.buckets) and plan.buckets[next_bucket].slices[-1].param <= index:
+                    bucket = plan.buckets[next_bucket]
+                    work = _Work(bucket, [held[s.param] for s in bucket.slices], lane.record())
+                    next_bucket += 1
+                    for s in bucket.slices:
+                        if plan.param_buckets[s.param][-1] == bucket.index:
+                            held.pop(s.param, None)
+                    clock.stop()
+                    anyio.from_thread.run(out.send, work)
+                    clock.start()
+            _check_end(plan, expected, pos)
+            clock.stop()
+    finally:
+        pairs.close()
+        clock.stop()
+
+
+def _tensor_bytes(tensor: torch.Tensor, s: Slice) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)[s.start : s.end]
+
+
+def _copy_into(
+    staging: torch.Tensor, copies: list[tuple[Slice, torch.Tensor]], lane: DeviceLane, ready: LaneEvent
+) -> LaneEvent:
+    """Copy each slice's bytes into its offset of `staging` on the pack lane."""
+    with lane.activate():
+        lane.wait_on(ready)
+        for s, tensor in copies:
+            staging[s.offset : s.offset + s.nbytes].copy_(
+                _tensor_bytes(tensor, s), non_blocking=lane.is_async
+            )
+            if tensor.is_cuda and lane.stream is not None:
+                tensor.record_stream(lane.stream)
+        return lane.record()
+
+
+async def _pack(
+    inbox: MemoryObjectReceiveStream[_Work],
+    outbox: MemoryObjectSendStream[_Packed],
+    free_slots: MemoryObjectReceiveStream[int],
+    pool: StagingPool,
+    lane: DeviceLane,
+    zero_copy: bool,
+    clock: StageClock,
+) -> None:
+    async with inbox, outbox:
+        async for work in inbox:
+            slot = await free_slots.receive()
+            clock.start()
+            segments: list[memoryview] = []
+            copies: list[tuple[Slice, torch.Tensor]] = []
+            staging: torch.Tensor | None = None
+            for s, tensor in zip(work.bucket.slices, work.tensors):
+                if zero_copy and tensor.device.type == "cpu":
+                    segments.append(byte_view(tensor)[s.start : s.end])
+                    continue
+                if staging is None:
+                    staging = pool.buffer(slot)
+                copies.append((s, tensor))
+                segments.append(byte_view(staging)[s.offset : s.offset + s.nbytes])
+            ready = work.ready
+            if copies and staging is not None:
+                if lane.is_async:
+                    ready = _copy_into(staging, copies, lane, work.ready)
+                else:
+                    ready = await anyio.to_thread.run_sync(
+                        functools.partial(_copy_into, staging, copies, lane, work.ready)
+                    )
+            clock.stop()
+            try:
+                await outbox.send(_Packed(work.bucket, segments, slot, ready, work))
+            except anyio.BrokenResourceError:
+                return  # the send stage failed; its error is the one that counts
+
+
+async def _send(
+    inbox: MemoryObjectReceiveStream[_Packed],
+    release: MemoryObjectSendStream[int],
+    sink: BucketSink,
+    clock: StageClock,
+) -> int:
+    sent = 0
+    async with inbox:
+        async for packed in inbox:
+            await DeviceLane.wait(packed.ready)
+            clock.start()
+            await sink.send_bucket(packed.bucket, packed.segments)
+            clock.stop()
+            sent += 1
+            release.send_nowait(packed.slot)
+    return sent
+
+
+async def run_pipeline(
+    plan: TransferPlan,
+    source: WeightSource,
+    sink: BucketSink,
+    *,
+    pool: StagingPool,
+    iterate_lane: DeviceLane,
+    pack_lane: DeviceLane,
+    config: PipelineConfig,
+) -> dict[str, float]:
+    """Stream every bucket of `plan` from `source` into `sink`; return stage busy seconds.
+
+    Cancellation: every stage stops; the iterate thread stops at its next yield (a
+    running collective finishes first); buckets already handed to the sink are
+    the sink's business (the caller aborts the round on the transport).
+    """
+    clocks = {name: StageClock() for name in ("iterate", "pack", "send")}
+    work_send, work_recv = anyio.create_memory_object_stream[_Work](config.queue_depth)
+    packed_send, packed_recv = anyio.create_memory_object_stream[_Packed](config.num_buffers)
+    slot_send, slot_recv = anyio.create_memory_object_stream[int](config.num_buffers)
+    for slot in range(config.num_buffers):
+        slot_send.send_nowait(slot)
+    stop = threading.Event()
+
+    async def iterate() -> None:
+        async with work_send:
+            try:
+                await anyio.to_thread.run_sync(
+                    _iterate, plan, source, iterate_lane, work_send, stop, clocks["iterate"]
+                )
+            except anyio.BrokenResourceError:
+                pass  # the pack stage failed; its error is the one that counts
+            finally:
+                stop.set()
+
+    with single_error(), slot_send, slot_recv:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(iterate)
+                tg.start_soon(
+                    _pack, work_recv, packed_send, slot_recv, pool, pack_lane, config.zero_copy,
+                    clocks["pack"],
+                )
+                tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"])
+        finally:
+            stop.set()
+    return {name: clock.busy_s for name, clock in clocks.items()}

@@ -1,0 +1,64 @@
+"""What one round did, as `send_weights` reports it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["RoundStats", "StageClock"]
+
+
+class StageClock:
+    """Accumulates the seconds a pipeline stage spent working (not waiting)."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self.busy_s += time.perf_counter() - self._since
+            self._since = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundStats:
+    """One round, measured on the trainer rank that ran it."""
+
+    round_id: int
+    """Rounds are numbered from 1 per engine."""
+    weight_version: str | None
+    """The version handed to `finish_weight_update`."""
+    bytes: int
+    """Payload bytes sent to each worker (0 on non-sender ranks)."""
+    buckets: int
+    """Buckets sent to each worker."""
+    workers: int
+    """Workers that received the round."""
+    wall_s: float
+    """From `send_weights` entry to `finish_weight_update` returned."""
+    stage_busy_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each stage (`iterate`, `pack`, `send`) spent working."""
+
+    @property
+    def throughput_gbps(self) -> float:
+        """Payload GB/s (1e9 bytes) per worker over the whole round."""
+        return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["throughput_gbps"] = self.throughput_gbps
+        return data
+
+    def summary(self) -> str:
+        """One log line."""
+        stages = " ".join(f"{k}={v:.3f}s" for k, v in self.stage_busy_s.items())
+        return (
+            f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB "
+            f"in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
+            f"{self.throughput_gbps:.2f} GB/s; busy {stages}"
+        )
