@@ -4,6 +4,7 @@ The public surface is vLLM's weight-transfer interface, asyncio-native on the tr
 side. Everything public is re-exported here; implementation lives in private modules.
 """
 
+from . import _backends  # noqa: F401  (registers the built-in backends)
 from ._client import AsyncWeightSyncClient as AsyncWeightSyncClient
 from ._client import VLLMWeightSyncClient as VLLMWeightSyncClient
 from ._client import WeightTransferUpdatePayload as WeightTransferUpdatePayload
@@ -22,21 +23,21 @@ from ._meta import ParamMeta as ParamMeta
 from ._meta import Placement as Placement
 from ._meta import Replicate as Replicate
 from ._meta import Shard as Shard
+from ._plan import TransferPlan as TransferPlan
 from ._registry import create_worker_engine as create_worker_engine
 from ._registry import register_trainer_engine as register_trainer_engine
 from ._registry import register_worker_engine as register_worker_engine
 from ._registry import registered_backends as registered_backends
 from ._registry import trainer_init as trainer_init
-from ._stats import RoundStats as RoundStats
 from ._source import ModuleSource as ModuleSource
 from ._source import WeightSource as WeightSource
 from ._source import materialize_full_tensor as materialize_full_tensor
+from ._stats import RoundStats as RoundStats
 from ._tcp_info import TcpTrainerInitInfo as TcpTrainerInitInfo
 from ._tcp_info import TcpUpdateInfo as TcpUpdateInfo
 from ._tcp_info import TcpWorkerInitInfo as TcpWorkerInitInfo
 from ._tcp_trainer import TcpTrainerEngine as TcpTrainerEngine
 from ._tcp_worker import TcpWorkerEngine as TcpWorkerEngine
-from ._plan import TransferPlan as TransferPlan
 from ._trainer import TrainerInitInfo as TrainerInitInfo
 from ._trainer import TrainerWeightTransferEngine as TrainerWeightTransferEngine
 from ._worker import WeightTransferConfig as WeightTransferConfig
@@ -46,18 +47,9 @@ from ._worker import WeightTransferInitRequest as WeightTransferInitRequest
 from ._worker import WeightTransferUpdateInfo as WeightTransferUpdateInfo
 from ._worker import WeightTransferUpdateRequest as WeightTransferUpdateRequest
 
-from . import _backends  # noqa: F401  (registers the built-in backends)
-
 __version__ = "0.1.0"
 
 __all__ = [
-    "TransferPlan",
-    "TcpWorkerInitInfo",
-    "TcpWorkerEngine",
-    "TcpUpdateInfo",
-    "TcpTrainerInitInfo",
-    "TcpTrainerEngine",
-    "RoundStats",
     "ApplyError",
     "AsyncWeightSyncClient",
     "AsyncwtError",
@@ -69,12 +61,19 @@ __all__ = [
     "PlanMismatchError",
     "ProtocolError",
     "Replicate",
+    "RoundStats",
     "Shard",
     "SourceMismatchError",
+    "TcpTrainerEngine",
+    "TcpTrainerInitInfo",
+    "TcpUpdateInfo",
+    "TcpWorkerEngine",
+    "TcpWorkerInitInfo",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "TransferAbortedError",
     "TransferError",
+    "TransferPlan",
     "TransferTimeoutError",
     "VLLMWeightSyncClient",
     "WeightSource",

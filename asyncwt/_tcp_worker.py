@@ -6,6 +6,7 @@ import logging
 import queue
 import secrets
 import socket
+import threading
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ class TcpWorkerEngine(WeightTransferEngine[TcpWorkerInitInfo, TcpUpdateInfo]):
         self._last_round = 0
         self._round_error: BaseException | None = None
         self._received_round = 0
+        self._receiving = threading.Lock()
+        """Held while a round is received: a late call waits for an aborted one to end."""
 
     # -- init -------------------------------------------------------------------------
 
@@ -144,7 +147,8 @@ class TcpWorkerEngine(WeightTransferEngine[TcpWorkerInitInfo, TcpUpdateInfo]):
             )
         round_id = self._last_round = update_info.round_id
         try:
-            self._receive_round(sock, plan, target, round_id)
+            with self._receiving:
+                self._receive_round(sock, plan, target, round_id)
         except TransferAbortedError as exc:
             self._round_error = exc
             raise
