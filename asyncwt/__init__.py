@@ -4,6 +4,13 @@ The public surface is vLLM's weight-transfer interface, asyncio-native on the tr
 side. Everything public is re-exported here; implementation lives in private modules.
 """
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # A CPU torch without numpy warns at import; asyncwt never needs numpy.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch as _torch  # noqa: F401
+
 from . import _backends  # noqa: F401  (registers the built-in backends)
 from ._client import AsyncWeightSyncClient as AsyncWeightSyncClient
 from ._client import VLLMWeightSyncClient as VLLMWeightSyncClient
@@ -18,7 +25,9 @@ from ._exceptions import SourceMismatchError as SourceMismatchError
 from ._exceptions import TransferAbortedError as TransferAbortedError
 from ._exceptions import TransferError as TransferError
 from ._exceptions import TransferTimeoutError as TransferTimeoutError
+from ._http_client import HttpClient as HttpClient
 from ._layerwise import layerwise_groups as layerwise_groups
+from ._local_client import LocalClient as LocalClient
 from ._meta import ParamMeta as ParamMeta
 from ._meta import Placement as Placement
 from ._meta import Replicate as Replicate
@@ -55,6 +64,8 @@ __all__ = [
     "AsyncwtError",
     "AuthenticationError",
     "ControlPlaneError",
+    "HttpClient",
+    "LocalClient",
     "ModuleSource",
     "ParamMeta",
     "Placement",

@@ -130,7 +130,7 @@ class DeferredApplier:
         buffer: torch.Tensor | None,
         release: Callable[[], None],
     ) -> None:
-        name = "?"
+        where = "?"  # the parameter(s) being worked on, for the error message
         try:
             with self._lock:
                 if self._error is not None:
@@ -140,7 +140,7 @@ class DeferredApplier:
                 if target.direct[s.param]:
                     continue
                 meta = target.plan.params[s.param]
-                name = meta.name
+                name, where = meta.name, repr(meta.name)
                 assert buffer is not None
                 region = buffer[s.offset : s.offset + s.nbytes]
                 if s.nbytes == meta.nbytes:
@@ -152,20 +152,22 @@ class DeferredApplier:
             if target.transform is not None:
                 transformed = []
                 for name, tensor in ready:
+                    where = repr(name)
                     transformed.append((name, target.transform(name, tensor)))
                 ready = transformed
             if target.load_weights is not None:
                 names = [n for n, _ in ready]
-                name = names[0] if len(names) == 1 else f"one of {names}"
+                where = repr(names[0]) if len(names) == 1 else f"one of {names}"
                 with torch.no_grad():
                     target.load_weights(ready)
             else:
                 with torch.no_grad():
                     for name, tensor in ready:
+                        where = repr(name)
                         target.params[name].data.copy_(tensor)
         except BaseException as exc:
             error = ApplyError(
-                f"round {round_id}, bucket {bucket.index}: applying parameter {name} failed: "
+                f"round {round_id}, bucket {bucket.index}: applying parameter {where} failed: "
                 f"{type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc

@@ -1,42 +1,77 @@
-"""Small structured-concurrency helpers shared by the engines."""
+"""Structured-concurrency helpers shared by the engines and clients."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-
 import sys
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
 
 import anyio
 
-if sys.version_info < (3, 11):  # pragma: no cover
+if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["single_error"]
+__all__ = ["fan_out", "single_error", "unwrap_group"]
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
-    leaves: list[BaseException] = []
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
-            leaves.extend(_leaves(exc))
+            yield from _leaves(exc)
         else:
-            leaves.append(exc)
-    return leaves
+            yield exc
+
+
+def unwrap_group(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first real error of `group`, with the others added as notes.
+
+    Cancellations of siblings are consequences, not causes, and are dropped. When a
+    leaf is neither an `Exception` nor a cancellation (KeyboardInterrupt, ...) the
+    group itself is returned, so that nothing is hidden.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves = [exc for exc in _leaves(group) if not isinstance(exc, cancelled)]
+    if not leaves or not all(isinstance(exc, Exception) for exc in leaves):
+        return group
+    first, *others = leaves
+    add_note = getattr(first, "add_note", None)  # absent before 3.11
+    if add_note is not None:
+        for other in others:
+            add_note(f"also failed concurrently: {type(other).__name__}: {other}")
+    return first
 
 
 @contextlib.contextmanager
 def single_error() -> Iterator[None]:
-    """Re-raise a task group's lone real error by itself, not wrapped in a group.
+    """Re-raise a task group's failure as its first real error, not as a group.
 
-    anyio wraps every task-group failure in an exception group; a user of
-    `send_weights` should see the `TransferError` that ended the round. When the
-    group holds several real errors (not cancellations), it is re-raised as is.
+    anyio wraps every task-group failure in an exception group; a caller of
+    `send_weights` should see the `TransferError` that ended the round.
     """
     try:
         yield
     except BaseExceptionGroup as group:
-        real = [e for e in _leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
-        if len(real) == 1:
-            raise real[0] from None
-        raise
+        error = unwrap_group(group)
+        if error is group:
+            raise
+        try:
+            raise error from error.__cause__
+        finally:
+            del error  # break the frame <-> traceback cycle
+
+
+async def fan_out(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> None:
+    """Await every call concurrently; the first failure cancels the rest and is re-raised.
+
+    Concurrency is required, not an optimisation: a worker's `update_weights` returns
+    only once it received the whole round, and the trainer sends to every worker at
+    once, so calling them one after the other would deadlock.
+
+    Cancellation: every call is cancelled (a call running in a thread is waited for,
+    since a thread cannot be interrupted) before this returns.
+    """
+    with single_error():
+        async with anyio.create_task_group() as tg:
+            for call in calls:
+                tg.start_soon(call)

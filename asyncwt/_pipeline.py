@@ -36,7 +36,7 @@ from ._plan import Bucket, Slice, TransferPlan
 from ._source import WeightSource
 from ._stats import StageClock
 
-__all__ = ["BucketSink", "PipelineConfig", "StagingPool", "run_pipeline", "iterate_and_check"]
+__all__ = ["BucketSink", "PipelineConfig", "StagingPool", "iterate_and_check", "run_pipeline"]
 
 
 class BucketSink(Protocol):

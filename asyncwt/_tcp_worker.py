@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import secrets
@@ -12,16 +13,16 @@ from typing import Any
 import torch
 
 from ._applier import DeferredApplier, ModelTarget
+from ._bytes import byte_view
 from ._exceptions import (
     ProtocolError,
     TransferAbortedError,
     TransferError,
     TransferTimeoutError,
 )
+from ._lanes import staging_buffer
 from ._plan import Bucket, TransferPlan
 from ._sockio import recv_exact, recv_segments, send_all
-from ._bytes import byte_view
-from ._lanes import staging_buffer
 from ._tcp_info import TcpUpdateInfo, TcpWorkerInitInfo
 from ._wire import (
     ABORT_REASON_MAX,
@@ -114,7 +115,7 @@ class TcpWorkerEngine(WeightTransferEngine[TcpWorkerInitInfo, TcpUpdateInfo]):
             trainer_nonce = verify_challenge(info.token, nonce, digest, recv_exact(sock, CHALLENGE_SIZE))
             send_all(sock, pack_proof(info.token, nonce, trainer_nonce, digest))
             check_result(recv_exact(sock, RESULT_SIZE))
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             sock.close()
             raise TransferTimeoutError(
                 f"handshake with the trainer at {info.host}:{info.port} timed out after "
@@ -300,9 +301,12 @@ class TcpWorkerEngine(WeightTransferEngine[TcpWorkerInitInfo, TcpUpdateInfo]):
             self._target = ModelTarget.resolve(self.model, self._plan, self.config.transform)
 
     def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Close the data connection; a receive blocked on it in another thread fails."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv; close() alone may not
+            sock.close()
 
     def shutdown(self) -> None:
         """Close the connection and stop the apply threads (after queued work)."""

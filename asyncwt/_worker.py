@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, Optional, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -31,7 +31,7 @@ class WeightTransferConfig:
     apply_threads: int = 2
     """Background threads that unpack and load received buckets."""
 
-    transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     """Per-parameter hook `(name, tensor) -> tensor` run before loading (cast, quantise).
     It runs on the apply threads; it must not keep the tensor it is given (a view of a
     receive buffer that is reused)."""
@@ -46,12 +46,12 @@ class WeightTransferConfig:
 
 
 @dataclass
-class WeightTransferInitInfo(ABC):  # noqa: B024 - a marker base, as in vLLM
+class WeightTransferInitInfo(ABC):
     """Base of every backend's worker-side init info (what the trainer sends at init)."""
 
 
 @dataclass
-class WeightTransferUpdateInfo(ABC):  # noqa: B024 - a marker base, as in vLLM
+class WeightTransferUpdateInfo(ABC):
     """Base of every backend's per-round update info."""
 
 

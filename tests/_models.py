@@ -1,0 +1,77 @@
+"""Model factories and worker hooks shared by the end-to-end tests.
+
+The worker server imports these by name (`--model tests._models:mixed`), so every
+factory takes no argument and returns a model whose parameters differ from what a
+trainer will send.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+BUCKET_BYTES = 256 << 10
+"""Small buckets in tests, so that `big` spans several."""
+
+
+class Mixed(nn.Module):
+    """fp32, fp16 and bf16 parameters, a 0-d and an empty one, a non-contiguous one,
+    and one larger than a test bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w32 = nn.Parameter(torch.zeros(64, 32))
+        self.w16 = nn.Parameter(torch.zeros(33, 7, dtype=torch.float16))
+        self.wbf = nn.Parameter(torch.zeros(129, dtype=torch.bfloat16))
+        self.scalar = nn.Parameter(torch.zeros((), dtype=torch.float32))
+        self.empty = nn.Parameter(torch.zeros(0, 5))
+        self.noncontig = nn.Parameter(torch.zeros(24, 16).t())
+        self.big = nn.Parameter(torch.zeros(300_000))
+        self.tail = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+
+
+def mixed() -> nn.Module:
+    return Mixed()
+
+
+def many_tiny() -> nn.Module:
+    return nn.ParameterList([nn.Parameter(torch.zeros(3)) for _ in range(5000)])
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    """Fill every parameter with values that depend on `seed` (bit patterns included)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(values.to(param.dtype))
+
+
+def identity_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Routes every parameter through the background applier's copy path."""
+    return tensor
+
+
+def slow_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Sleeps on `w32`, then leaves a marker file (path from ASYNCWT_TEST_MARKER)."""
+    if name == "w32":
+        time.sleep(1.5)
+        Path(os.environ["ASYNCWT_TEST_MARKER"]).write_text(name)
+    return tensor
+
+
+def failing_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Fails on `w16` from the second round on (ASYNCWT_TEST_FAIL names a file that
+    exists when failing is on)."""
+    if name == "w16" and Path(os.environ["ASYNCWT_TEST_FAIL"]).exists():
+        raise RuntimeError("quantisation of w16 failed on purpose")
+    return tensor
+
+
+def dtensor_mlp() -> nn.Module:
+    """The worker's copy of the model the two-rank trainer shards with FSDP2."""
+    return nn.Sequential(nn.Linear(64, 47), nn.ReLU(), nn.Linear(47, 33), nn.LayerNorm(33))
