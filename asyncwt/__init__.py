@@ -42,6 +42,7 @@ from ._source import ModuleSource as ModuleSource
 from ._source import WeightSource as WeightSource
 from ._source import materialize_full_tensor as materialize_full_tensor
 from ._stats import RoundStats as RoundStats
+from ._sync import SyncTrainerEngine as SyncTrainerEngine
 from ._tcp_info import TcpTrainerInitInfo as TcpTrainerInitInfo
 from ._tcp_info import TcpUpdateInfo as TcpUpdateInfo
 from ._tcp_info import TcpWorkerInitInfo as TcpWorkerInitInfo
@@ -75,6 +76,7 @@ __all__ = [
     "RoundStats",
     "Shard",
     "SourceMismatchError",
+    "SyncTrainerEngine",
     "TcpTrainerEngine",
     "TcpTrainerInitInfo",
     "TcpUpdateInfo",

@@ -1,0 +1,150 @@
+"""A blocking façade over the async trainer engine, for plain (non-async) trainers.
+
+The async engine runs on one private event loop thread (uvloop when installed);
+`send_weights` submits the round there and blocks until it ends. There is no
+second copy of the pipeline: this module only crosses the thread boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from types import TracebackType
+from typing import Any
+
+import anyio.from_thread
+from typing_extensions import Self
+
+from ._client import AnyWeightSyncClient
+from ._registry import trainer_init
+from ._source import WeightSource
+from ._stats import RoundStats
+from ._trainer import TrainerInitInfo, TrainerWeightTransferEngine
+
+__all__ = ["SyncTrainerEngine"]
+
+_CANCEL_GRACE_S = 60.0
+_SIGNAL_POLL_S = 0.05
+
+
+def _refuse_inside_event_loop(what: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        f"SyncTrainerEngine.{what} was called from inside a running event loop, where it "
+        f"would block the loop; use the async engine instead: "
+        f"`engine = await asyncwt.trainer_init(...)` and `await engine.send_weights()`"
+    )
+
+
+def _uvloop_available() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return False
+    return True
+
+
+class SyncTrainerEngine:
+    """The trainer engine for a plain `for step in ...` loop; call it on every rank.
+
+    Built from the same arguments as `asyncwt.trainer_init`; `send_weights` blocks
+    and returns the same `RoundStats`. Ctrl-C during `send_weights` cancels the
+    round cleanly (the workers are told to abort, nothing is published) and then
+    raises `KeyboardInterrupt`; the next call starts a clean round.
+
+    Use it as a context manager, or call `shutdown()` when done. An async client
+    (e.g. `HttpClient`) lives on the engine's private loop, so shutdown closes it
+    too (its `close()` coroutine), before that loop ends.
+    """
+
+    def __init__(
+        self,
+        init_info: TrainerInitInfo,
+        *,
+        client: AnyWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> None:
+        _refuse_inside_event_loop("__init__")
+        self._portal_cm = anyio.from_thread.start_blocking_portal(
+            "asyncio", {"use_uvloop": _uvloop_available()}
+        )
+        self._portal = self._portal_cm.__enter__()
+        self._client = client
+        try:
+            self.engine: TrainerWeightTransferEngine[Any] = self._run(
+                functools.partial(trainer_init, init_info, client=client, source=source)
+            )
+        except BaseException:
+            self._close_loop()
+            raise
+        self._closed = False
+
+    async def _close_client(self) -> None:
+        close = getattr(self._client, "close", None)
+        if close is not None and asyncio.iscoroutinefunction(close):
+            await close()
+
+    def _close_loop(self) -> None:
+        try:
+            self._portal.call(self._close_client)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def _run(self, fn: Any) -> Any:
+        """Run coroutine function `fn` on the engine's loop; Ctrl-C cancels it there."""
+        finished = threading.Event()
+
+        async def run() -> Any:
+            try:
+                return await fn()
+            finally:
+                finished.set()
+
+        future = self._portal.start_task_soon(run)
+        try:
+            # Wait in short slices: a SIGINT that the OS delivered to another thread
+            # does not interrupt a blocked wait, and Python runs its handler (raising
+            # KeyboardInterrupt here) only when this thread gets back to bytecode.
+            while not finished.wait(_SIGNAL_POLL_S) and not future.done():
+                pass
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            # Let the round abort on the workers before handing control back.
+            finished.wait(_CANCEL_GRACE_S)
+            raise
+
+    def send_weights(self, *, weight_version: str | None = None) -> RoundStats:
+        """Run one round (blocking) and return its stats; see the async `send_weights`."""
+        _refuse_inside_event_loop("send_weights")
+        if self._closed:
+            raise RuntimeError("send_weights called after shutdown()")
+        stats: RoundStats = self._run(
+            functools.partial(self.engine.send_weights, weight_version=weight_version)
+        )
+        return stats
+
+    def shutdown(self) -> None:
+        """Shut the engine down and stop its loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.engine.shutdown)
+        finally:
+            self._close_loop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
