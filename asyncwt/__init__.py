@@ -38,6 +38,7 @@ from ._registry import register_trainer_engine as register_trainer_engine
 from ._registry import register_worker_engine as register_worker_engine
 from ._registry import registered_backends as registered_backends
 from ._registry import trainer_init as trainer_init
+from ._settings import RoundUpdateInfo as RoundUpdateInfo
 from ._source import ModuleSource as ModuleSource
 from ._source import WeightSource as WeightSource
 from ._source import materialize_full_tensor as materialize_full_tensor
@@ -74,6 +75,7 @@ __all__ = [
     "ProtocolError",
     "Replicate",
     "RoundStats",
+    "RoundUpdateInfo",
     "Shard",
     "SourceMismatchError",
     "SyncTrainerEngine",

@@ -40,9 +40,22 @@ __all__ = ["BucketSink", "PipelineConfig", "StagingPool", "iterate_and_check", "
 
 
 class BucketSink(Protocol):
-    """Where the send stage delivers buckets (a transport's sending side)."""
+    """Where the send stage delivers buckets: a transport's sending side."""
 
-    async def send_bucket(self, bucket: Bucket, segments: list[memoryview]) -> None:
+    accepts_views: bool
+    """Whether segments may point into the source's own tensors (scatter-gather
+    sends); if not, every slice is packed into `staging(slot)` or the pool."""
+
+    def staging(self, slot: int) -> torch.Tensor | None:
+        """The transport's own buffer for `slot` (e.g. shared memory), or `None` to
+        pack into the pipeline's pool."""
+        ...
+
+    async def reclaim(self, slot: int) -> None:
+        """Wait until every reader released what `slot` held last time."""
+        ...
+
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
         """Deliver `bucket`'s payload; the segments stay valid until this returns."""
         ...
 
@@ -223,10 +236,12 @@ async def _pack(
     outbox: MemoryObjectSendStream[_Packed],
     free_slots: MemoryObjectReceiveStream[int],
     pool: StagingPool,
+    sink: BucketSink,
     lane: DeviceLane,
     zero_copy: bool,
     clock: StageClock,
 ) -> None:
+    views_ok = zero_copy and sink.accepts_views
     async with inbox, outbox:
         async for work in inbox:
             slot = await free_slots.receive()
@@ -235,11 +250,16 @@ async def _pack(
             copies: list[tuple[Slice, torch.Tensor]] = []
             staging: torch.Tensor | None = None
             for s, tensor in zip(work.bucket.slices, work.tensors):
-                if zero_copy and tensor.device.type == "cpu":
+                if views_ok and tensor.device.type == "cpu":
                     segments.append(byte_view(tensor)[s.start : s.end])
                     continue
                 if staging is None:
-                    staging = pool.buffer(slot)
+                    staging = sink.staging(slot)
+                    if staging is None:
+                        staging = pool.buffer(slot)
+                    clock.stop()
+                    await sink.reclaim(slot)
+                    clock.start()
                 copies.append((s, tensor))
                 segments.append(byte_view(staging)[s.offset : s.offset + s.nbytes])
             ready = work.ready
@@ -268,7 +288,7 @@ async def _send(
         async for packed in inbox:
             await DeviceLane.wait(packed.ready)
             clock.start()
-            await sink.send_bucket(packed.bucket, packed.segments)
+            await sink.send_bucket(packed.bucket, packed.slot, packed.segments)
             clock.stop()
             sent += 1
             release.send_nowait(packed.slot)
@@ -315,8 +335,8 @@ async def run_pipeline(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(iterate)
                 tg.start_soon(
-                    _pack, work_recv, packed_send, slot_recv, pool, pack_lane, config.zero_copy,
-                    clocks["pack"],
+                    _pack, work_recv, packed_send, slot_recv, pool, sink, pack_lane,
+                    config.zero_copy, clocks["pack"],
                 )
                 tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"])
         finally:

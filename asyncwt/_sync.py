@@ -8,8 +8,12 @@ second copy of the pipeline: this module only crosses the thread boundary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import signal
 import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
 
@@ -38,6 +42,24 @@ def _refuse_inside_event_loop(what: str) -> None:
         f"would block the loop; use the async engine instead: "
         f"`engine = await asyncwt.trainer_init(...)` and `await engine.send_weights()`"
     )
+
+
+@contextlib.contextmanager
+def _sigint_handler(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Route SIGINT to `handler` while inside, if Python's default handler is in place.
+
+    A program that installed its own SIGINT handler keeps it; so does a call made
+    outside the main thread (only the main thread can set handlers).
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    if not in_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _uvloop_available() -> bool:
@@ -95,8 +117,16 @@ class SyncTrainerEngine:
             self._portal_cm.__exit__(None, None, None)
 
     def _run(self, fn: Any) -> Any:
-        """Run coroutine function `fn` on the engine's loop; Ctrl-C cancels it there."""
+        """Run coroutine function `fn` on the engine's loop; Ctrl-C cancels it there.
+
+        While it runs, SIGINT (when Python's default handler is installed) cancels
+        the task instead of raising at an arbitrary point of this thread; once the
+        cancelled task has finished (the round aborted on the workers),
+        `KeyboardInterrupt` is raised here.
+        """
         finished = threading.Event()
+        interrupted = threading.Event()
+        future: Future[Any] | None = None
 
         async def run() -> Any:
             try:
@@ -104,19 +134,23 @@ class SyncTrainerEngine:
             finally:
                 finished.set()
 
-        future = self._portal.start_task_soon(run)
-        try:
-            # Wait in short slices: a SIGINT that the OS delivered to another thread
-            # does not interrupt a blocked wait, and Python runs its handler (raising
-            # KeyboardInterrupt here) only when this thread gets back to bytecode.
+        def on_sigint(signum: int, frame: object) -> None:
+            interrupted.set()
+            if future is not None:
+                future.cancel()
+
+        with _sigint_handler(on_sigint):
+            future = self._portal.start_task_soon(run)
+            if interrupted.is_set():
+                future.cancel()
+            # Wait in short slices: Python runs a signal handler only when this
+            # thread gets back to bytecode, not inside a blocked wait.
             while not finished.wait(_SIGNAL_POLL_S) and not future.done():
                 pass
-            return future.result()
-        except KeyboardInterrupt:
-            future.cancel()
-            # Let the round abort on the workers before handing control back.
-            finished.wait(_CANCEL_GRACE_S)
-            raise
+            if interrupted.is_set():
+                finished.wait(_CANCEL_GRACE_S)
+                raise KeyboardInterrupt
+        return future.result()
 
     def send_weights(self, *, weight_version: str | None = None) -> RoundStats:
         """Run one round (blocking) and return its stats; see the async `send_weights`."""

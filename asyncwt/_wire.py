@@ -50,6 +50,8 @@ class FrameKind(enum.IntEnum):
     """Trainer → worker: round complete; `index` is the bucket count."""
     ABORT = 4
     """Trainer → worker: round abandoned; `nbytes` of UTF-8 reason follow."""
+    RELEASE = 5
+    """Worker → trainer: the worker is done with shared buffer `slot`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,23 +63,25 @@ class Frame:
     index: int
     digest: bytes
     nbytes: int
+    slot: int = 0
+    """Which shared buffer holds the payload (shared-memory backend), else 0."""
 
     def pack(self) -> bytes:
         return _FRAME.pack(
-            FRAME_MAGIC, self.kind, self.round_id, self.index, 0, self.digest, self.nbytes
+            FRAME_MAGIC, self.kind, self.round_id, self.index, self.slot, self.digest, self.nbytes
         )
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Frame:
         """Parse a header; a wrong magic or unknown kind is a `ProtocolError`."""
-        magic, kind, round_id, index, _reserved, digest, nbytes = _FRAME.unpack(data)
+        magic, kind, round_id, index, slot, digest, nbytes = _FRAME.unpack(data)
         if magic != FRAME_MAGIC:
             raise ProtocolError(f"frame magic should be {FRAME_MAGIC!r}, got {magic!r}")
         try:
             frame_kind = FrameKind(kind)
         except ValueError:
             raise ProtocolError(f"frame kind {kind} is not one of {list(map(int, FrameKind))}")
-        return cls(frame_kind, round_id, index, digest, nbytes)
+        return cls(frame_kind, round_id, index, digest, nbytes, slot)
 
 
 def digest_prefix(digest_hex: str) -> bytes:

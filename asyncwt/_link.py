@@ -1,0 +1,409 @@
+"""The authenticated, framed stream connection between a trainer and each worker.
+
+The TCP backend carries its payload on it; the shared-memory backend carries only
+frame headers and slot releases on it (the payload sits in shared memory). Either
+way the trainer listens during init only, and every worker proves the token with
+the challenge–response in `_wire` before it is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._concurrency import single_error
+from ._exceptions import (
+    AsyncwtError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ._plan import TransferPlan
+from ._sockio import async_recv_exact, async_send_segments, recv_exact, send_all
+from ._wire import (
+    ABORT_REASON_MAX,
+    CHALLENGE_SIZE,
+    FRAME_SIZE,
+    HELLO_SIZE,
+    PROOF_SIZE,
+    RESULT_SIZE,
+    Frame,
+    FrameKind,
+    HandshakeStatus,
+    check_result,
+    digest_prefix,
+    pack_challenge,
+    pack_hello,
+    pack_proof,
+    pack_result,
+    proof_is_valid,
+    unpack_hello,
+    verify_challenge,
+)
+
+__all__ = [
+    "LinkSettings",
+    "Peer",
+    "TrainerLinks",
+    "WorkerLink",
+    "connect_link",
+    "read_abort_reason",
+]
+
+logger = logging.getLogger("asyncwt")
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """What the trainer side of the links needs to know."""
+
+    host: str
+    port: int
+    advertise_host: str | None
+    token: str
+    max_workers: int
+    connect_timeout: float
+    send_timeout: float
+    ready_timeout: float
+
+
+@dataclass(eq=False)
+class Peer:
+    """One authenticated worker connection (trainer side)."""
+
+    sock: socket.socket
+    address: str
+    broken: str | None = None
+
+    def close(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class TrainerLinks:
+    """The trainer's connections to every worker, and frame I/O over all of them."""
+
+    def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.digest = digest_prefix(plan.digest)
+        self.peers: list[Peer] = []
+        self.round_id = 0
+
+    # -- init -------------------------------------------------------------------------
+
+    async def rendezvous(
+        self,
+        worker_fields: dict[str, Any],
+        init_workers: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        """Listen, run `init_workers(init_info)` while admitting workers, stop listening.
+
+        Cancellation: the listener and every accepted connection are closed.
+        """
+        s = self.settings
+        listener = socket.create_server((s.host, s.port), backlog=128)
+        listener.setblocking(False)
+        peers: list[Peer] = []
+        try:
+            port = listener.getsockname()[1]
+            init_info = {"host": s.advertise_host or s.host, "port": port, "token": s.token}
+            init_info.update(worker_fields)
+            with single_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._accept, listener, peers)
+                    await init_workers(init_info)
+                    tg.cancel_scope.cancel()
+        except BaseException:
+            for peer in peers:
+                peer.close("init failed")
+            raise
+        finally:
+            listener.close()
+        if not peers:
+            raise TransferError(
+                "no worker connected during init_weight_transfer_engine; check that the "
+                f"workers can reach {s.advertise_host or s.host}"
+            )
+        logger.info("asyncwt: %d worker(s) connected and authenticated", len(peers))
+        self.peers = peers
+
+    async def _accept(self, listener: socket.socket, peers: list[Peer]) -> None:
+        loop = asyncio.get_running_loop()
+        async with anyio.create_task_group() as tg:
+            while True:
+                sock, address = await loop.sock_accept(listener)
+                sock.setblocking(False)
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tg.start_soon(self._handshake, sock, f"{address[0]}:{address[1]}", peers)
+
+    async def _handshake(self, sock: socket.socket, address: str, peers: list[Peer]) -> None:
+        """Authenticate one worker; a failure refuses it without stopping init."""
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        digest = bytes.fromhex(self.plan.digest)
+        registered = False
+        try:
+            with anyio.fail_after(s.connect_timeout):
+                worker_nonce, worker_digest = unpack_hello(await async_recv_exact(sock, HELLO_SIZE))
+                trainer_nonce = secrets.token_bytes(32)
+                challenge = pack_challenge(s.token, worker_nonce, trainer_nonce, digest)
+                await loop.sock_sendall(sock, challenge)
+                proof = await async_recv_exact(sock, PROOF_SIZE)
+                if not proof_is_valid(s.token, worker_nonce, trainer_nonce, digest, proof):
+                    status = HandshakeStatus.BAD_PROOF
+                elif worker_digest != digest:
+                    status = HandshakeStatus.PLAN_MISMATCH
+                elif len(peers) >= s.max_workers:
+                    status = HandshakeStatus.FULL
+                else:
+                    status = HandshakeStatus.OK
+                    peers.append(Peer(sock, address))
+                    registered = True
+                await loop.sock_sendall(sock, pack_result(status))
+                if status != HandshakeStatus.OK:
+                    logger.warning("asyncwt: refused worker %s: %s", address, status.name)
+        except (TimeoutError, OSError, AsyncwtError) as exc:
+            logger.warning("asyncwt: handshake with %s failed: %r", address, exc)
+        finally:
+            if not registered:
+                sock.close()
+
+    # -- rounds -----------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        for peer in self.peers:
+            if peer.broken is not None:
+                raise TransferError(
+                    f"the connection to worker {peer.address} is closed ({peer.broken}); "
+                    f"call trainer_init again to reconnect"
+                )
+
+    async def each(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run `fn(peer, *args)` for every peer concurrently."""
+        with single_error():
+            async with anyio.create_task_group() as tg:
+                for peer in self.peers:
+                    tg.start_soon(fn, peer, *args)
+
+    async def send_frame(self, peer: Peer, segments: list[memoryview], what: str) -> None:
+        """Send one whole frame, or break the connection: never leave it mid-frame.
+
+        Shielded from cancellation (a half-sent frame would desynchronise the
+        stream) and bounded by `send_timeout` instead.
+        """
+        timeout = self.settings.send_timeout
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(timeout):
+                    await async_send_segments(peer.sock, segments)
+            except TimeoutError:
+                peer.close(f"timed out sending {what}")
+                raise TransferTimeoutError(
+                    f"round {self.round_id}: worker {peer.address} did not take {what} within "
+                    f"send_timeout={timeout}s"
+                ) from None
+            except TransferError as exc:
+                peer.close(str(exc))
+                raise TransferError(
+                    f"round {self.round_id}: sending {what} to worker {peer.address} failed: {exc}"
+                ) from exc
+
+    async def send_header(self, peer: Peer, frame: Frame, what: str) -> None:
+        await self.send_frame(peer, [memoryview(frame.pack())], what)
+
+    async def wait_ready(self, round_id: int) -> None:
+        """Wait for every worker's READY for `round_id` (stale READYs are skipped)."""
+        self.round_id = round_id
+        await self.each(self._wait_ready_one, round_id)
+
+    async def _wait_ready_one(self, peer: Peer, round_id: int) -> None:
+        timeout = self.settings.ready_timeout
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+                    if frame.kind != FrameKind.READY or frame.round_id > round_id:
+                        raise ProtocolError(
+                            f"worker {peer.address} sent {frame.kind.name} for round "
+                            f"{frame.round_id} while the trainer waited for READY {round_id}"
+                        )
+                    if frame.round_id == round_id:
+                        if frame.digest != self.digest:
+                            raise ProtocolError(f"worker {peer.address} is READY for another plan")
+                        return
+        except TimeoutError:
+            peer.close("did not start receiving")
+            raise TransferTimeoutError(
+                f"round {round_id}: worker {peer.address} did not start receiving within "
+                f"ready_timeout={timeout}s"
+            ) from None
+        except TransferError as exc:
+            peer.close(str(exc))
+            raise
+
+    def frame(self, kind: FrameKind, index: int = 0, nbytes: int = 0, slot: int = 0) -> Frame:
+        return Frame(kind, self.round_id, index, self.digest, nbytes, slot)
+
+    async def end_round(self) -> None:
+        end = self.frame(FrameKind.END, index=len(self.plan.buckets))
+        await self.each(self.send_header, end, "the end of the round")
+
+    async def abort_round(self, reason: str) -> None:
+        """Tell every worker the round is off; failures here are logged, not raised."""
+        text = reason.encode("utf-8", "replace")[:ABORT_REASON_MAX]
+        header = self.frame(FrameKind.ABORT, nbytes=len(text))
+        for peer in self.peers:
+            if peer.broken is not None:
+                continue
+            try:
+                await self.send_frame(peer, [memoryview(header.pack()), memoryview(text)], "abort")
+            except AsyncwtError as exc:
+                logger.warning("could not abort round %d on %s: %s", self.round_id, peer.address, exc)
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close("engine shut down")
+
+
+def connect_link(
+    host: str, port: int, token: str, plan: TransferPlan, timeout: float
+) -> socket.socket:
+    """Worker side: connect to the trainer and pass the handshake; a blocking socket."""
+    digest = bytes.fromhex(plan.digest)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise TransferError(f"could not connect to the trainer at {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_bytes(32)
+        send_all(sock, pack_hello(nonce, digest))
+        trainer_nonce = verify_challenge(token, nonce, digest, recv_exact(sock, CHALLENGE_SIZE))
+        send_all(sock, pack_proof(token, nonce, trainer_nonce, digest))
+        check_result(recv_exact(sock, RESULT_SIZE))
+    except TimeoutError as exc:
+        sock.close()
+        raise TransferTimeoutError(
+            f"handshake with the trainer at {host}:{port} timed out after {timeout}s"
+        ) from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_abort_reason(sock: socket.socket, frame: Frame) -> str:
+    """The UTF-8 reason that follows an ABORT header (bounded before it is read)."""
+    if frame.nbytes > ABORT_REASON_MAX:
+        raise ProtocolError(
+            f"ABORT reason should be at most {ABORT_REASON_MAX} bytes, header says {frame.nbytes}"
+        )
+    return recv_exact(sock, frame.nbytes).decode("utf-8", "replace")
+
+
+class WorkerLink:
+    """The worker's end of the link: announces rounds, reads and validates frames."""
+
+    def __init__(self, sock: socket.socket, plan: TransferPlan, recv_timeout: float) -> None:
+        self.sock = sock
+        self.plan = plan
+        self.recv_timeout = recv_timeout
+        self.digest = digest_prefix(plan.digest)
+        self.broken = False
+        self._send_lock = threading.Lock()
+
+    def send(self, frame: Frame) -> None:
+        """Send a frame to the trainer (from any thread)."""
+        with self._send_lock:
+            send_all(self.sock, frame.pack())
+
+    def frames(self, round_id: int) -> Iterator[Frame]:
+        """Announce `round_id` (READY) and yield its BUCKET headers, in order, until END.
+
+        The caller reads each bucket's payload before asking for the next frame.
+        Every header is checked against the plan before anything else is read.
+        """
+        plan = self.plan
+        self.sock.settimeout(self.recv_timeout)
+        self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0))
+        expected = 0
+        while True:
+            frame = Frame.unpack(recv_exact(self.sock, FRAME_SIZE))
+            if frame.kind == FrameKind.ABORT:
+                reason = read_abort_reason(self.sock, frame)
+                if frame.round_id < round_id:
+                    continue  # left over from a round this worker never joined
+                raise TransferAbortedError(f"round {round_id}: the trainer aborted the round: {reason}")
+            if frame.round_id != round_id or frame.digest != self.digest:
+                raise ProtocolError(
+                    f"round {round_id}: got a {frame.kind.name} frame for round {frame.round_id} "
+                    f"(plan {frame.digest.hex()})"
+                )
+            if frame.kind == FrameKind.END:
+                if frame.index != len(plan.buckets) or expected != len(plan.buckets):
+                    raise ProtocolError(
+                        f"round {round_id}: END after {expected} buckets, the plan has "
+                        f"{len(plan.buckets)} (END says {frame.index})"
+                    )
+                return
+            if frame.kind != FrameKind.BUCKET:
+                raise ProtocolError(f"round {round_id}: unexpected {frame.kind.name} frame")
+            if frame.index != expected or expected >= len(plan.buckets):
+                raise ProtocolError(
+                    f"round {round_id}: expected bucket {expected}, got bucket {frame.index}"
+                )
+            bucket = plan.buckets[expected]
+            if frame.nbytes != bucket.payload_bytes:
+                raise ProtocolError(
+                    f"round {round_id}: bucket {expected} should carry {bucket.payload_bytes} "
+                    f"bytes, the header says {frame.nbytes}"
+                )
+            yield frame
+            expected += 1
+
+    def guard(self, round_id: int) -> contextlib.AbstractContextManager[None]:
+        """Map socket failures of a round to typed errors; mark the link broken on them."""
+        return _LinkGuard(self, round_id)
+
+    def close(self) -> None:
+        """Close the connection; a receive blocked on it in another thread fails."""
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv; close() alone may not
+        self.sock.close()
+
+
+class _LinkGuard:
+    def __init__(self, link: WorkerLink, round_id: int) -> None:
+        self.link = link
+        self.round_id = round_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or isinstance(exc, TransferAbortedError):
+            return  # an abort arrives at a frame boundary: the stream stays in step
+        self.link.close()
+        if isinstance(exc, TimeoutError):
+            raise TransferTimeoutError(
+                f"round {self.round_id}: nothing from the trainer for recv_timeout="
+                f"{self.link.recv_timeout}s; the connection is closed, init again to reconnect"
+            ) from exc
+        if isinstance(exc, OSError):
+            raise TransferError(f"round {self.round_id}: the data connection failed: {exc}") from exc

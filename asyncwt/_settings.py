@@ -1,0 +1,99 @@
+"""Init and update infos shared by every pipelined backend (tcp, shm, torch_dist)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
+from ._worker import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+__all__ = ["PipelineSettings", "RoundUpdateInfo", "WorkerPlanInfo", "check_positive"]
+
+
+def check_positive(name: str, value: object, kind: type = int) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a positive int (or finite float)."""
+    allowed = (int, float) if kind is float else (int,)
+    ok = isinstance(value, allowed) and not isinstance(value, bool)
+    if not ok or not value > 0 or not math.isfinite(value):  # type: ignore[operator,arg-type]
+        raise ValueError(f"{name} should be a positive {kind.__name__}, got {value!r}")
+
+
+@dataclass
+class PipelineSettings:
+    """Wire and pipeline settings every pipelined backend's trainer init info carries.
+
+    A mixin: each backend's `TrainerInitInfo` subclass inherits these fields.
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Size of one bucket: the unit of transfer and of staging memory."""
+    num_buffers: int = 2
+    """Buckets in flight on each side; staging memory is at most num_buffers × bucket_bytes."""
+    alignment: int = DEFAULT_ALIGNMENT
+    """Alignment of each slice inside a receive buffer."""
+    zero_copy: bool = True
+    """Send contiguous CPU tensors in place instead of packing them (transports that can)."""
+    device: str | None = None
+    """Device for lanes and staging; `None` picks CUDA when available, else CPU."""
+    connect_timeout: float = 60.0
+    """Seconds for init: the workers joining."""
+    send_timeout: float = 300.0
+    """Seconds for one bucket to be taken by every worker."""
+    ready_timeout: float = 300.0
+    """Seconds for every worker to start receiving a round."""
+    recv_timeout: float = 300.0
+    """Seconds a worker waits for the next bucket before it gives up (sent to workers)."""
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        for name in ("bucket_bytes", "num_buffers", "alignment"):
+            check_positive(name, getattr(self, name))
+        for name in ("connect_timeout", "send_timeout", "ready_timeout", "recv_timeout"):
+            check_positive(name, getattr(self, name), float)
+        if not isinstance(self.zero_copy, bool):
+            raise ValueError(f"zero_copy should be a bool, got {self.zero_copy!r}")
+
+    def worker_fields(self) -> dict[str, Any]:
+        """The settings every worker receives at init (besides the plan)."""
+        return {
+            "num_buffers": self.num_buffers,
+            "connect_timeout": self.connect_timeout,
+            "recv_timeout": self.recv_timeout,
+        }
+
+
+@dataclass
+class WorkerPlanInfo(WeightTransferInitInfo):
+    """What every pipelined worker receives at init: the plan and its limits."""
+
+    plan: dict[str, Any]
+    """`TransferPlan.to_wire()` of the trainer."""
+    num_buffers: int = 2
+    connect_timeout: float = 60.0
+    recv_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, dict):
+            raise ValueError(f"plan should be a dict, got {type(self.plan).__name__}")
+        check_positive("num_buffers", self.num_buffers)
+        check_positive("connect_timeout", self.connect_timeout, float)
+        check_positive("recv_timeout", self.recv_timeout, float)
+
+
+@dataclass
+class RoundUpdateInfo(WeightTransferUpdateInfo):
+    """One round, announced to a worker: its number and the plan it follows."""
+
+    round_id: int
+    plan_digest: str
+
+    def __post_init__(self) -> None:
+        check_positive("round_id", self.round_id)
+        if not isinstance(self.plan_digest, str) or len(self.plan_digest) != 64:
+            raise ValueError(
+                f"plan_digest should be a 64-character hex str, got {self.plan_digest!r}"
+            )

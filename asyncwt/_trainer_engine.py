@@ -1,0 +1,235 @@
+"""The pipelined trainer engine: plan, pipeline and round protocol over any transport.
+
+A backend subclasses `PipelinedTrainerEngine`, names its init info class and
+builds its `SenderTransport`; the rest is here, written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+import anyio.to_thread
+import torch
+from typing_extensions import Self
+
+from ._client import AnyWeightSyncClient, call_client
+from ._concurrency import single_error
+from ._lanes import DeviceLane
+from ._pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
+from ._plan import TransferPlan
+from ._settings import PipelineSettings
+from ._source import WeightSource
+from ._stats import RoundStats
+from ._trainer import TrainerInitInfo, TrainerWeightTransferEngine
+from ._transport import SenderTransport
+
+__all__ = ["PipelinedTrainerEngine"]
+
+logger = logging.getLogger("asyncwt")
+
+TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
+
+
+def _default_device(name: str | None) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
+    """Trainer engine that streams full tensors from rank 0 through the pipeline.
+
+    Every rank builds the same plan from `source.metadata`. Rank 0 owns the
+    transport; every round it calls `start_weight_update`, then runs
+    `update_weights` concurrently with the pipeline (iterate → pack → send), then
+    `finish_weight_update(weight_version)`. Other ranks iterate the source so that
+    their collectives (FSDP all-gathers) line up with rank 0's, and send nothing.
+    """
+
+    init_info_cls: ClassVar[type[TrainerInitInfo]]
+
+    def __init__(
+        self,
+        info: Any,
+        *,
+        client: AnyWeightSyncClient,
+        source: WeightSource,
+        plan: TransferPlan,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
+        settings: PipelineSettings = info
+        self.info = info
+        self.plan = plan
+        self.source: WeightSource = source
+        device = _default_device(settings.device)
+        self._iterate_lane = DeviceLane(device)
+        self._pack_lane = DeviceLane(device)
+        self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
+        self._pipeline = PipelineConfig(
+            num_buffers=settings.num_buffers, zero_copy=settings.zero_copy
+        )
+        owned = set(source.owned_names(info.rank))
+        self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
+        self.transport: SenderTransport | None = None
+        self._rounds = 0
+        self._busy = False
+        self._closed = False
+
+    @classmethod
+    @abstractmethod
+    def make_transport(cls, info: Any, plan: TransferPlan) -> SenderTransport:
+        """The backend's sending side for rank 0."""
+
+    @classmethod
+    async def trainer_init(
+        cls,
+        init_info: TInfo,
+        *,
+        client: AnyWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        """Plan from `source.metadata`; on rank 0, open the transport and init the workers.
+
+        Cancellation: everything the transport opened is closed; no engine results.
+        """
+        if not isinstance(init_info, cls.init_info_cls):
+            raise TypeError(
+                f"init_info should be a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
+            )
+        if source is None or not source.implements_iter_full():
+            raise ValueError(
+                f"source should be a WeightSource implementing iter_full (rank 0 sends full "
+                f"tensors), got {type(source).__name__}"
+            )
+        settings: PipelineSettings = init_info  # type: ignore[assignment]
+        plan = TransferPlan.build(
+            source.metadata, bucket_bytes=settings.bucket_bytes, alignment=settings.alignment
+        )
+        if init_info.is_sender:
+            owned = set(source.owned_names(0))
+            for meta in plan.params:
+                if meta.name not in owned:
+                    raise ValueError(
+                        f"parameter {meta.name!r} is not owned by rank 0 (owners {meta.owners}); "
+                        f"the {init_info.backend} backend sends every full tensor from rank 0"
+                    )
+        engine = cls(init_info, client=client, source=source, plan=plan)
+        if init_info.is_sender:
+            transport = cls.make_transport(init_info, plan)
+            fields = {"plan": plan.to_wire(), **settings.worker_fields()}
+
+            async def init_workers(init_info: dict[str, Any]) -> None:
+                await call_client(client, "init_weight_transfer_engine", init_info)
+
+            try:
+                await transport.rendezvous(fields, init_workers)
+            except BaseException:
+                transport.close()
+                raise
+            engine.transport = transport
+        return engine
+
+    @property
+    def num_workers(self) -> int:
+        """Workers this (sender) engine reaches; 0 on other ranks."""
+        return self.transport.num_workers if self.transport is not None else 0
+
+    async def send_weights(self, *, weight_version: str | None = None) -> RoundStats:  # type: ignore[override]
+        """Run one round and return its stats; call it on every trainer rank.
+
+        Cancellation: the round is aborted on every worker (their `update_weights`
+        fails, no version is published), staging slots are released, and the
+        iterate thread stops at its next tensor; the next round starts clean. A
+        bucket already being written finishes first (bounded by `send_timeout`).
+        """
+        if self._closed:
+            raise RuntimeError("send_weights called after shutdown()")
+        if self._busy:
+            raise RuntimeError("send_weights is already running on this engine; rounds cannot overlap")
+        self._busy = True
+        self._rounds += 1
+        round_id = self._rounds
+        started = time.perf_counter()
+        try:
+            if self.transport is None:
+                t0 = time.perf_counter()
+                await anyio.to_thread.run_sync(
+                    iterate_and_check, self.plan, self._expected, self.source, self._iterate_lane
+                )
+                busy = {"iterate": time.perf_counter() - t0}
+                return self._stats(round_id, weight_version, started, busy, sent=False)
+            self.transport.check_usable()
+            busy = await self._sender_round(self.transport, round_id, weight_version)
+            return self._stats(round_id, weight_version, started, busy, sent=True)
+        finally:
+            self._busy = False
+
+    async def _sender_round(
+        self, transport: SenderTransport, round_id: int, weight_version: str | None
+    ) -> dict[str, float]:
+        await call_client(self.client, "start_weight_update")
+        update_info = {"round_id": round_id, "plan_digest": self.plan.digest}
+        failed = False
+        busy: dict[str, float] = {}
+
+        async def update_rpc() -> None:
+            try:
+                await call_client(self.client, "update_weights", update_info)
+            except Exception as exc:
+                if not failed:
+                    raise
+                logger.debug("round %d: update_weights failed after the abort: %r", round_id, exc)
+
+        with single_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(update_rpc)
+                try:
+                    await transport.begin_round(round_id)
+                    busy = await run_pipeline(
+                        self.plan,
+                        self.source,
+                        transport,
+                        pool=self._pool,
+                        iterate_lane=self._iterate_lane,
+                        pack_lane=self._pack_lane,
+                        config=self._pipeline,
+                    )
+                    await transport.end_round()
+                except BaseException as exc:
+                    failed = True
+                    with anyio.CancelScope(shield=True):
+                        await transport.abort_round(f"{type(exc).__name__}: {exc}")
+                    raise
+        await call_client(self.client, "finish_weight_update", weight_version)
+        return busy
+
+    def _stats(
+        self,
+        round_id: int,
+        weight_version: str | None,
+        started: float,
+        busy: dict[str, float],
+        *,
+        sent: bool,
+    ) -> RoundStats:
+        stats = RoundStats(
+            round_id=round_id,
+            weight_version=weight_version,
+            bytes=self.plan.total_bytes if sent else 0,
+            buckets=len(self.plan.buckets) if sent else 0,
+            workers=self.num_workers if sent else 0,
+            wall_s=time.perf_counter() - started,
+            stage_busy_s=busy,
+        )
+        logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
+        return stats
+
+    async def shutdown(self) -> None:
+        """Close the transport. Idempotent."""
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()

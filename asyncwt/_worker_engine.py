@@ -1,0 +1,210 @@
+"""The deferred worker engine: rounds over any receiver transport, applied in the background.
+
+A backend subclasses `DeferredWorkerEngine`, names its init info class and builds
+its `ReceiverTransport`; receiving rounds, deferred apply and version publishing
+are here, written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from ._applier import DeferredApplier, ModelTarget
+from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
+from ._lanes import staging_buffer
+from ._plan import TransferPlan
+from ._settings import RoundUpdateInfo, WorkerPlanInfo
+from ._transport import ReceiverTransport
+from ._worker import WeightTransferConfig, WeightTransferEngine
+
+__all__ = ["DeferredWorkerEngine", "ReceivePool"]
+
+logger = logging.getLogger("asyncwt")
+
+
+class ReceivePool:
+    """`count` bucket-sized receive buffers; a buffer is reused only once released."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device, timeout: float) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.timeout = timeout
+        self._buffers: list[torch.Tensor] = []
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(count):
+            self._free.put(slot)
+
+    def take(self) -> tuple[torch.Tensor, Any]:
+        """A free buffer and the function that releases it (blocks while none is free)."""
+        try:
+            slot = self._free.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TransferTimeoutError(
+                f"no receive buffer came free within {self.timeout}s: background apply is "
+                f"stuck (a transform or load_weights that never returns?)"
+            ) from None
+        while len(self._buffers) <= slot:
+            self._buffers.append(staging_buffer(self.nbytes, self.device))
+        return self._buffers[slot], lambda: self._free.put(slot)
+
+
+class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
+    """Worker engine with deferred (background) apply, over any `ReceiverTransport`.
+
+    `update_weights` returns once every byte of the round is received; unpacking,
+    the optional transform and loading run on `config.apply_threads` threads.
+    `finish_weight_update(weight_version)` drains them, re-raises the first error
+    naming the parameter, and only then publishes `weight_version`.
+    """
+
+    init_info_cls: ClassVar[type[WorkerPlanInfo]]
+    update_info_cls = RoundUpdateInfo
+    defers_processing = True
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: Any | None,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.weight_version: str | None = None
+        """The version of the last round that finished completely."""
+        self.weights_incomplete = False
+        """True after a round that started changing the weights and did not finish."""
+        self._applier = DeferredApplier(config.apply_threads)
+        self.receiver: ReceiverTransport | None = None
+        self._plan: TransferPlan | None = None
+        self._target: ModelTarget | None = None
+        self._last_round = 0
+        self._received_round = 0
+        self._round_error: BaseException | None = None
+        self._receiving = threading.Lock()
+        """Held while a round is received: a late call waits for an aborted one to end."""
+
+    @abstractmethod
+    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
+        """The backend's receiving side for this worker."""
+
+    def receive_pool(self, info: WorkerPlanInfo, plan: TransferPlan) -> ReceivePool:
+        """Receive buffers for transports that receive into worker memory."""
+        return ReceivePool(info.num_buffers, plan.bucket_bytes, self.device, info.recv_timeout)
+
+    # -- init -------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: WorkerPlanInfo) -> None:
+        """Rebuild the trainer's plan, match it to the model, and join the trainer.
+
+        Replaces any previous connection: a new `trainer_init` reconnects this way.
+        """
+        plan = TransferPlan.from_wire(init_info.plan)
+        target = ModelTarget.resolve(self.model, plan, self.config.transform)
+        receiver = self.make_receiver(init_info, plan)
+        receiver.connect()
+        old, self.receiver = self.receiver, receiver
+        if old is not None:
+            old.close()
+        self._drain_quietly()
+        self._plan, self._target = plan, target
+        self._last_round = self._received_round = 0
+
+    # -- rounds -----------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        """Begin a round: leftovers of an aborted round are drained and forgotten."""
+        self._drain_quietly()
+        self._round_error = None
+
+    def receive_weights(self, update_info: RoundUpdateInfo) -> None:
+        """Receive every bucket of the round; queue each for background apply.
+
+        Raises `PlanMismatchError` (before any byte moves) when the round was planned
+        differently, `TransferAbortedError` when the trainer aborts, and
+        `TransferTimeoutError` when the trainer goes quiet for `recv_timeout`.
+        """
+        receiver, plan, target = self._require_init()
+        plan.check_digest(update_info.plan_digest, where=f"round {update_info.round_id}")
+        if update_info.round_id <= self._last_round:
+            raise ValueError(
+                f"round_id should increase: got {update_info.round_id} after {self._last_round}"
+            )
+        round_id = self._last_round = update_info.round_id
+        with self._receiving:
+            try:
+                self.weights_incomplete = True
+                for received in receiver.receive_round(round_id, target):
+                    self._applier.submit(
+                        target, round_id, received.bucket, received.buffer, received.release
+                    )
+            except BaseException as exc:
+                self._round_error = exc
+                if not isinstance(exc, TransferAbortedError):
+                    logger.warning("round %d failed on the worker: %r", round_id, exc)
+                raise
+        self._received_round = round_id
+
+    def drain_pending(self) -> None:
+        """Block until every received bucket is applied; re-raise the first error.
+
+        Idempotent: a second call returns at once (an error is raised once).
+        """
+        self._applier.drain()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:  # type: ignore[override]
+        """Drain background apply, then publish `weight_version`.
+
+        Raises the first apply error (naming the parameter) or the error that ended
+        the round's receive; either way the version is not published.
+        """
+        if self._round_error is not None:
+            error, self._round_error = self._round_error, None
+            self._drain_quietly()
+            raise TransferError(f"the round did not complete: {error}") from error
+        self.drain_pending()
+        if self._last_round == 0 or self._received_round != self._last_round:
+            raise TransferError("finish_weight_update called without a completely received round")
+        self.weight_version = weight_version
+        self.weights_incomplete = False
+
+    def _drain_quietly(self) -> None:
+        try:
+            self._applier.drain()
+        except Exception as exc:  # reported already, or belongs to an abandoned round
+            logger.debug("dropping an error from an abandoned round: %r", exc)
+
+    def _require_init(self) -> tuple[ReceiverTransport, TransferPlan, ModelTarget]:
+        receiver, plan, target = self.receiver, self._plan, self._target
+        if receiver is None or plan is None or target is None:
+            raise TransferError(
+                f"the {self.config.backend} worker engine is not initialised: call "
+                f"init_weight_transfer_engine first"
+            )
+        if not receiver.usable:
+            raise TransferError(
+                "the previous round broke the connection to the trainer: call "
+                "init_weight_transfer_engine again (a new trainer_init) to reconnect"
+            )
+        return receiver, plan, target
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        super().set_weight_update_target(model, model_config)
+        if self._plan is not None:
+            self._target = ModelTarget.resolve(model, self._plan, self.config.transform)
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        if self._plan is not None:
+            self._target = ModelTarget.resolve(self.model, self._plan, self.config.transform)
+
+    def shutdown(self) -> None:
+        """Disconnect and stop the apply threads (after queued work)."""
+        if self.receiver is not None:
+            self.receiver.close()
+        self._applier.shutdown()
