@@ -45,13 +45,19 @@ class ModelTarget:
 
     @classmethod
     def resolve(
-        cls, model: torch.nn.Module, plan: TransferPlan, transform: Transform | None
+        cls,
+        model: torch.nn.Module,
+        plan: TransferPlan,
+        transform: Transform | None,
+        *,
+        in_place: bool = True,
     ) -> ModelTarget:
         """Match `plan` against `model`; a parameter it cannot take is a `ValueError`.
 
         A model with `load_weights` (vLLM's models) takes whatever it accepts, so
         nothing is checked up front; otherwise every plan parameter must exist in
-        `named_parameters()` with the same shape.
+        `named_parameters()` with the same shape. `in_place=False` is for transports
+        whose bytes arrive in their own memory (shared memory, collectives).
         """
         load = getattr(model, "load_weights", None)
         params = dict(model.named_parameters())
@@ -71,7 +77,8 @@ class ModelTarget:
                     f"the trainer sends {meta.shape}"
                 )
             direct.append(
-                transform is None
+                in_place
+                and transform is None
                 and param.device.type == "cpu"
                 and param.dtype == meta.dtype
                 and param.is_contiguous()

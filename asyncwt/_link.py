@@ -226,17 +226,42 @@ class TrainerLinks:
     async def send_header(self, peer: Peer, frame: Frame, what: str) -> None:
         await self.send_frame(peer, [memoryview(frame.pack())], what)
 
-    async def wait_ready(self, round_id: int) -> None:
-        """Wait for every worker's READY for `round_id` (stale READYs are skipped)."""
-        self.round_id = round_id
-        await self.each(self._wait_ready_one, round_id)
+    async def wait_ready(
+        self, round_id: int, on_release: Callable[[Peer, Frame], None] | None = None
+    ) -> None:
+        """Wait for every worker's READY for `round_id` (stale READYs are skipped).
 
-    async def _wait_ready_one(self, peer: Peer, round_id: int) -> None:
+        RELEASE frames that arrive meanwhile go to `on_release` (shared memory).
+        """
+        self.round_id = round_id
+        await self.each(self._wait_ready_one, round_id, on_release)
+
+    async def read_frame(self, peer: Peer, timeout: float, waiting_for: str) -> Frame:
+        """Read one frame from `peer`, or break the connection trying."""
+        try:
+            with anyio.fail_after(timeout):
+                return Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+        except TimeoutError:
+            peer.close(f"did not send {waiting_for}")
+            raise TransferTimeoutError(
+                f"round {self.round_id}: worker {peer.address} did not send {waiting_for} "
+                f"within {timeout}s"
+            ) from None
+        except TransferError as exc:
+            peer.close(str(exc))
+            raise
+
+    async def _wait_ready_one(
+        self, peer: Peer, round_id: int, on_release: Callable[[Peer, Frame], None] | None
+    ) -> None:
         timeout = self.settings.ready_timeout
         try:
             with anyio.fail_after(timeout):
                 while True:
                     frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+                    if frame.kind == FrameKind.RELEASE and on_release is not None:
+                        on_release(peer, frame)
+                        continue
                     if frame.kind != FrameKind.READY or frame.round_id > round_id:
                         raise ProtocolError(
                             f"worker {peer.address} sent {frame.kind.name} for round "
@@ -255,6 +280,9 @@ class TrainerLinks:
         except TransferError as exc:
             peer.close(str(exc))
             raise
+
+    def protocol_error(self, peer: Peer, what: str) -> ProtocolError:
+        return ProtocolError(f"round {self.round_id}: worker {peer.address} {what}")
 
     def frame(self, kind: FrameKind, index: int = 0, nbytes: int = 0, slot: int = 0) -> Frame:
         return Frame(kind, self.round_id, index, self.digest, nbytes, slot)
@@ -332,15 +360,21 @@ class WorkerLink:
         with self._send_lock:
             send_all(self.sock, frame.pack())
 
-    def frames(self, round_id: int) -> Iterator[Frame]:
+    def frames(
+        self, round_id: int, after_ready: Callable[[], object] | None = None
+    ) -> Iterator[Frame]:
         """Announce `round_id` (READY) and yield its BUCKET headers, in order, until END.
 
-        The caller reads each bucket's payload before asking for the next frame.
-        Every header is checked against the plan before anything else is read.
+        `after_ready` runs once READY is sent (the trainer may now wait on a
+        collective). The caller reads each bucket's payload before asking for the
+        next frame. Every header is checked against the plan before anything else
+        is read.
         """
         plan = self.plan
         self.sock.settimeout(self.recv_timeout)
         self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0))
+        if after_ready is not None:
+            after_ready()
         expected = 0
         while True:
             frame = Frame.unpack(recv_exact(self.sock, FRAME_SIZE))

@@ -31,9 +31,12 @@ logger = logging.getLogger("asyncwt")
 class ReceivePool:
     """`count` bucket-sized receive buffers; a buffer is reused only once released."""
 
-    def __init__(self, count: int, nbytes: int, device: torch.device, timeout: float) -> None:
+    def __init__(
+        self, count: int, nbytes: int, device: torch.device, timeout: float, *, on_device: bool
+    ) -> None:
         self.nbytes = nbytes
         self.device = device
+        self.on_device = on_device
         self.timeout = timeout
         self._buffers: list[torch.Tensor] = []
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -50,7 +53,11 @@ class ReceivePool:
                 f"stuck (a transform or load_weights that never returns?)"
             ) from None
         while len(self._buffers) <= slot:
-            self._buffers.append(staging_buffer(self.nbytes, self.device))
+            if self.on_device:
+                buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            else:
+                buffer = staging_buffer(self.nbytes, self.device)
+            self._buffers.append(buffer)
         return self._buffers[slot], lambda: self._free.put(slot)
 
 
@@ -66,6 +73,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     init_info_cls: ClassVar[type[WorkerPlanInfo]]
     update_info_cls = RoundUpdateInfo
     defers_processing = True
+    receives_in_place: ClassVar[bool] = True
+    """Whether the transport can write a parameter's bytes straight into the model."""
 
     def __init__(
         self,
@@ -93,9 +102,19 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         """The backend's receiving side for this worker."""
 
-    def receive_pool(self, info: WorkerPlanInfo, plan: TransferPlan) -> ReceivePool:
-        """Receive buffers for transports that receive into worker memory."""
-        return ReceivePool(info.num_buffers, plan.bucket_bytes, self.device, info.recv_timeout)
+    def _resolve(self, model: torch.nn.Module, plan: TransferPlan) -> ModelTarget:
+        return ModelTarget.resolve(
+            model, plan, self.config.transform, in_place=self.receives_in_place
+        )
+
+    def receive_pool(
+        self, info: WorkerPlanInfo, plan: TransferPlan, *, on_device: bool = False
+    ) -> ReceivePool:
+        """Receive buffers for transports that receive into worker memory: host memory
+        (pinned when the model is on a GPU), or device memory when `on_device`."""
+        return ReceivePool(
+            info.num_buffers, plan.bucket_bytes, self.device, info.recv_timeout, on_device=on_device
+        )
 
     # -- init -------------------------------------------------------------------------
 
@@ -105,7 +124,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         Replaces any previous connection: a new `trainer_init` reconnects this way.
         """
         plan = TransferPlan.from_wire(init_info.plan)
-        target = ModelTarget.resolve(self.model, plan, self.config.transform)
+        target = self._resolve(self.model, plan)
         receiver = self.make_receiver(init_info, plan)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
@@ -196,12 +215,12 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
         if self._plan is not None:
-            self._target = ModelTarget.resolve(model, self._plan, self.config.transform)
+            self._target = self._resolve(model, self._plan)
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
         if self._plan is not None:
-            self._target = ModelTarget.resolve(self.model, self._plan, self.config.transform)
+            self._target = self._resolve(self.model, self._plan)
 
     def shutdown(self) -> None:
         """Disconnect and stop the apply threads (after queued work)."""

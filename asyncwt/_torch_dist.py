@@ -1,0 +1,326 @@
+"""The `"torch_dist"` backend: bucket broadcasts over a dedicated torch.distributed group.
+
+Rank 0 of the trainer and every worker form a process group of their own (gloo on
+the CPU, NCCL on CUDA), built directly from a `TCPStore` that rank 0 hosts, so the
+trainer's default group (FSDP's) is never touched. The authenticated link of the
+`"tcp"` backend carries the round protocol (READY, per-bucket headers, END, ABORT);
+the payload of each bucket is one broadcast. Because every collective is preceded
+by a header on the link, an aborted round never leaves the two sides out of step.
+The group's timeout turns a dead peer into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import anyio
+import anyio.to_thread
+import torch
+import torch.distributed as dist
+
+from ._applier import ModelTarget
+from ._concurrency import single_error
+from ._exceptions import TransferError, TransferTimeoutError
+from ._lanes import staging_buffer
+from ._link import TrainerLinks, WorkerLink, connect_link
+from ._plan import Bucket, TransferPlan
+from ._settings import check_positive
+from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
+from ._trainer import TrainerInitInfo
+from ._trainer_engine import PipelinedTrainerEngine, _default_device
+from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
+from ._wire import FrameKind
+from ._worker_engine import DeferredWorkerEngine, ReceivePool
+
+__all__ = [
+    "TorchDistReceiver",
+    "TorchDistSender",
+    "TorchDistTrainerEngine",
+    "TorchDistTrainerInitInfo",
+    "TorchDistWorkerEngine",
+    "TorchDistWorkerInitInfo",
+]
+
+_PG_BACKENDS = ("gloo", "nccl")
+
+
+def _group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _new_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: float, device: torch.device
+) -> dist.ProcessGroup:
+    """A process group of its own over `store` (the default group is left alone)."""
+    delta = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        torch.cuda.set_device(device)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, delta)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+@dataclass
+class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+    """Trainer-side settings of the `"torch_dist"` backend.
+
+    `host`/`port` are the link's listener (as for `"tcp"`); the group's store listens
+    on `host` too, on `store_port`.
+    """
+
+    backend: ClassVar[str] = "torch_dist"
+
+    num_workers: int = 1
+    """Workers that will join: a collective group has a fixed size."""
+    store_port: int = 0
+    """Port of the group's TCPStore; 0 picks a free one."""
+    group_backend: str | None = None
+    """`"gloo"` or `"nccl"`; `None` picks NCCL for a CUDA device, else gloo."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("num_workers", self.num_workers)
+        if self.group_backend is not None and self.group_backend not in _PG_BACKENDS:
+            raise ValueError(
+                f"group_backend should be one of {_PG_BACKENDS} or None, got {self.group_backend!r}"
+            )
+
+
+@dataclass
+class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
+    """What a `"torch_dist"` worker receives: the link, and how to join the group."""
+
+    store_port: int = 0
+    group_key: str = ""
+    world_size: int = 2
+    group_backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("store_port", self.store_port)
+        check_positive("world_size", self.world_size)
+        if self.world_size < 2:
+            raise ValueError(f"world_size should be >= 2, got {self.world_size}")
+        if not isinstance(self.group_key, str) or len(self.group_key) != 32:
+            raise ValueError(f"group_key should be a 32-character str, got {self.group_key!r}")
+        if self.group_backend not in _PG_BACKENDS:
+            raise ValueError(f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}")
+
+
+class TorchDistSender(SenderTransport):
+    """Headers over the link, each bucket's payload as one broadcast from rank 0."""
+
+    accepts_views = False
+
+    def __init__(self, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> None:
+        self.info = info
+        self.plan = plan
+        self.links = TrainerLinks(info.link_settings(), plan)
+        self.device = _default_device(info.device)
+        self.group_backend = info.group_backend or _group_backend(self.device)
+        self.group: dist.ProcessGroup | None = None
+        self.store: dist.TCPStore | None = None
+        self.group_key = ""
+        self._staging: list[torch.Tensor | None] = [None] * info.num_buffers
+
+    def staging(self, slot: int) -> torch.Tensor:
+        """The buffer a broadcast sends from: device memory for NCCL, host for gloo."""
+        buffer = self._staging[slot]
+        if buffer is None:
+            if self.group_backend == "nccl":
+                buffer = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self.device)
+            else:
+                buffer = staging_buffer(self.plan.bucket_bytes, torch.device("cpu"))
+            self._staging[slot] = buffer
+        return buffer
+
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        """Host the group's store and admit the workers over the link.
+
+        The group itself forms at the first round, once every worker is READY: a
+        failed init (a wrong token, say) then fails fast instead of waiting for a
+        collective rendezvous that cannot complete.
+        """
+        info = self.info
+        timeout = datetime.timedelta(seconds=info.connect_timeout)
+        self.store = dist.TCPStore(
+            info.host, info.store_port, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        self.group_key = secrets.token_hex(16)
+        fields = {
+            **worker_fields,
+            "store_port": self.store.port,
+            "group_key": self.group_key,
+            "world_size": info.num_workers + 1,
+            "group_backend": self.group_backend,
+        }
+        await self.links.rendezvous(fields, init_workers)
+        if len(self.links.peers) != info.num_workers:
+            raise TransferError(
+                f"num_workers is {info.num_workers} but {len(self.links.peers)} worker(s) joined"
+            )
+
+    async def _form_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            assert self.store is not None
+            create = functools.partial(
+                _new_group,
+                self.group_backend,
+                dist.PrefixStore(f"asyncwt/{self.group_key}/", self.store),
+                0,
+                self.info.num_workers + 1,
+                self.info.send_timeout,
+                self.device,
+            )
+            with anyio.CancelScope(shield=True):  # a rendezvous in flight cannot be abandoned
+                self.group = await anyio.to_thread.run_sync(create)
+        return self.group
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.links.peers)
+
+    def check_usable(self) -> None:
+        self.links.check_usable()
+        if self.store is None:
+            raise TransferError("the torch_dist group is gone; call trainer_init again")
+
+    async def begin_round(self, round_id: int) -> None:
+        await self.links.wait_ready(round_id)
+        await self._form_group()
+
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+        header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot)
+        await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
+        payload = self.staging(slot)[: bucket.buffer_bytes]
+        assert self.group is not None
+        # A collective in flight cannot be interrupted: finish it (bounded by the
+        # group's timeout), so that both sides stay in step for the abort that follows.
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.to_thread.run_sync(_broadcast, self.group, payload)
+            except RuntimeError as exc:
+                self.store = None  # the group is unusable: a new trainer_init is needed
+                raise TransferTimeoutError(
+                    f"round {self.links.round_id}: broadcasting bucket {bucket.index} failed "
+                    f"(a worker died or stalled past the group timeout of "
+                    f"{self.info.send_timeout}s): {exc}"
+                ) from exc
+
+    async def end_round(self) -> None:
+        await self.links.end_round()
+
+    async def abort_round(self, reason: str) -> None:
+        await self.links.abort_round(reason)
+
+    def close(self) -> None:
+        self.links.close()
+        self.group = None
+        self.store = None
+        self._staging = [None] * len(self._staging)
+
+
+class TorchDistReceiver(ReceiverTransport):
+    """Joins the group at init; receives each announced bucket by broadcast."""
+
+    def __init__(self, info: TorchDistWorkerInitInfo, plan: TransferPlan, pool: ReceivePool, device: torch.device) -> None:
+        self.info = info
+        self.plan = plan
+        self.pool = pool
+        self.device = device
+        self.link: WorkerLink | None = None
+        self.store: dist.Store | None = None
+        self.rank = 0
+        self.group: dist.ProcessGroup | None = None
+
+    def connect(self) -> None:
+        """Connect the link and take a rank in the group (which forms at the first round)."""
+        info = self.info
+        sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
+        self.link = WorkerLink(sock, self.plan, info.recv_timeout)
+        try:
+            timeout = datetime.timedelta(seconds=info.connect_timeout)
+            store = dist.TCPStore(info.host, info.store_port, is_master=False, timeout=timeout)
+            self.store = dist.PrefixStore(f"asyncwt/{info.group_key}/", store)
+            self.rank = int(self.store.add("worker_rank", 1))
+            if self.rank >= info.world_size:
+                raise TransferError(
+                    f"the torch_dist group is full: {info.world_size - 1} workers joined already"
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _form_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            info = self.info
+            assert self.store is not None
+            self.group = _new_group(
+                info.group_backend, self.store, self.rank, info.world_size, info.recv_timeout, self.device
+            )
+        return self.group
+
+    @property
+    def usable(self) -> bool:
+        return self.link is not None and not self.link.broken and self.store is not None
+
+    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+        link = self.link
+        assert link is not None
+        with link.guard(round_id):
+            for frame in link.frames(round_id, after_ready=self._form_group):
+                group = self.group
+                assert group is not None
+                bucket = self.plan.buckets[frame.index]
+                buffer, release = self.pool.take()
+                try:
+                    _broadcast(group, buffer[: bucket.buffer_bytes])
+                except RuntimeError as exc:
+                    release()
+                    self.store = None  # the group is unusable: a new init is needed
+                    raise TransferTimeoutError(
+                        f"round {round_id}: receiving bucket {frame.index} by broadcast failed "
+                        f"(the trainer died or stalled past {self.info.recv_timeout}s): {exc}"
+                    ) from exc
+                except BaseException:
+                    release()
+                    raise
+                yield ReceivedBucket(bucket, buffer, release)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.group = None
+
+
+class TorchDistTrainerEngine(PipelinedTrainerEngine[TorchDistTrainerInitInfo]):
+    """Trainer engine of the `"torch_dist"` backend (see the module docstring)."""
+
+    init_info_cls = TorchDistTrainerInitInfo
+
+    @classmethod
+    def make_transport(cls, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> SenderTransport:
+        return TorchDistSender(info, plan)
+
+
+class TorchDistWorkerEngine(DeferredWorkerEngine):
+    """Worker engine of the `"torch_dist"` backend: receives by broadcast, applies deferred."""
+
+    init_info_cls = TorchDistWorkerInitInfo
+    receives_in_place = False
+
+    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
+        pool = self.receive_pool(info, plan, on_device=info.group_backend == "nccl")
+        return TorchDistReceiver(info, plan, pool, self.device)
