@@ -1,0 +1,150 @@
+"""The documentation builds strictly and stays true to the code.
+
+`mkdocs build --strict` fails on a broken link, a missing page, a `::: asyncwt.X`
+that does not resolve, or a cross-reference to an object that does not exist, so a
+renamed or removed public name breaks this test. The other tests keep the prose
+honest where the build cannot: every public name has a reference entry, the
+backends table matches the registry, module paths and CLI options exist, and the
+Python snippets compile and import only real names.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncwt
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+
+
+def _text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def test_docs_build_in_strict_mode(tmp_path: Path) -> None:
+    toolchain = ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "pymdownx")
+    missing = [name for name in toolchain if not _importable(name)]
+    if missing:
+        pytest.fail(
+            f"the docs toolchain is not installed ({', '.join(missing)} missing): "
+            f"pip install -e '.[docs]'"
+        )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, (
+        f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    )
+    assert (tmp_path / "site" / "reference" / "index.html").is_file()
+
+
+def test_every_public_name_has_a_reference_entry_and_no_other() -> None:
+    documented = re.findall(r"^::: asyncwt\.(\w+)\s*$", _text(), re.MULTILINE)
+    assert len(documented) == len(set(documented)), "a name is documented twice"
+    assert sorted(documented) == sorted(asyncwt.__all__)
+
+
+def test_backends_table_lists_exactly_the_registered_backends() -> None:
+    text = (DOCS / "concepts.md").read_text()
+    table = text.split("<!-- backends:", 1)[1].split("<!-- /backends -->", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    # In a fresh interpreter: other tests register fake backends in this one.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import asyncwt, json; print(json.dumps(asyncwt.registered_backends()))",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    registered = json.loads(result.stdout)
+    assert registered["trainer"] == registered["worker"]
+    assert sorted(rows) == registered["trainer"], (
+        "docs/concepts.md's backends table should list exactly the registered backends: "
+        "add a row for a new backend (and update the paragraph after the table)"
+    )
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    paths = set(re.findall(r"\b((?:asyncwt|examples|tests)/[\w/]+\.py)\b", _text()))
+    assert paths, "the docs should point at the code"
+    missing = sorted(p for p in paths if not (ROOT / p).is_file())
+    assert not missing, f"the docs name files that do not exist: {missing}"
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    blocks = []
+    for page in PAGES:
+        for code in re.findall(
+            r"^```python\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL
+        ):
+            if not code.lstrip().startswith("--8<--"):  # included files are tested as examples
+                blocks.append((str(page.relative_to(ROOT)), code))
+    return blocks
+
+
+@pytest.mark.parametrize(("page", "code"), _python_blocks())
+def test_python_snippets_compile_and_use_real_names(page: str, code: str) -> None:
+    tree = ast.parse(code, filename=page)  # a SyntaxError fails the test
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "asyncwt":
+            for alias in node.names:
+                assert alias.name in asyncwt.__all__, f"{page}: asyncwt has no public {alias.name}"
+
+
+def test_worker_options_in_the_docs_exist() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncwt", "worker", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    options = set(re.findall(r"--[a-z][a-z-]+", result.stdout)) - {"--help"}
+    table = re.findall(
+        r"^\| `(--[a-z][a-z-]+)", (DOCS / "how-to" / "worker-server.md").read_text(), re.MULTILINE
+    )
+    assert sorted(table) == sorted(options), "the worker page's options table should match --help"
+    used = {
+        option
+        for command in re.findall(r"asyncwt worker [^\n`]*", _text())
+        for option in re.findall(r"--[a-z][a-z-]+", command)
+    }
+    assert used <= options, f"the docs use worker options that do not exist: {used - options}"
