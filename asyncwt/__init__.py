@@ -12,6 +12,7 @@ with _warnings.catch_warnings():
     import torch as _torch  # noqa: F401
 
 from . import _backends  # noqa: F401  (registers the built-in backends)
+from ._checksum import model_checksum as model_checksum
 from ._client import AsyncWeightSyncClient as AsyncWeightSyncClient
 from ._client import VLLMWeightSyncClient as VLLMWeightSyncClient
 from ._client import WeightTransferUpdatePayload as WeightTransferUpdatePayload
@@ -39,6 +40,7 @@ from ._registry import register_worker_engine as register_worker_engine
 from ._registry import registered_backends as registered_backends
 from ._registry import trainer_init as trainer_init
 from ._settings import RoundUpdateInfo as RoundUpdateInfo
+from ._shm import ShmTrainerInitInfo as ShmTrainerInitInfo
 from ._source import ModuleSource as ModuleSource
 from ._source import WeightSource as WeightSource
 from ._source import materialize_full_tensor as materialize_full_tensor
@@ -49,6 +51,7 @@ from ._tcp_info import TcpUpdateInfo as TcpUpdateInfo
 from ._tcp_info import TcpWorkerInitInfo as TcpWorkerInitInfo
 from ._tcp_trainer import TcpTrainerEngine as TcpTrainerEngine
 from ._tcp_worker import TcpWorkerEngine as TcpWorkerEngine
+from ._torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
 from ._trainer import TrainerInitInfo as TrainerInitInfo
 from ._trainer import TrainerWeightTransferEngine as TrainerWeightTransferEngine
 from ._worker import WeightTransferConfig as WeightTransferConfig
@@ -77,6 +80,7 @@ __all__ = [
     "RoundStats",
     "RoundUpdateInfo",
     "Shard",
+    "ShmTrainerInitInfo",
     "SourceMismatchError",
     "SyncTrainerEngine",
     "TcpTrainerEngine",
@@ -84,6 +88,7 @@ __all__ = [
     "TcpUpdateInfo",
     "TcpWorkerEngine",
     "TcpWorkerInitInfo",
+    "TorchDistTrainerInitInfo",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "TransferAbortedError",
@@ -102,6 +107,7 @@ __all__ = [
     "create_worker_engine",
     "layerwise_groups",
     "materialize_full_tensor",
+    "model_checksum",
     "register_trainer_engine",
     "register_worker_engine",
     "registered_backends",

@@ -9,7 +9,42 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 
-__all__ = ["worker_process"]
+__all__ = ["start_worker", "stop_worker", "worker_process"]
+
+
+def start_worker(
+    model: str,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    start_timeout: float = 60.0,
+) -> tuple[subprocess.Popen[str], str]:
+    """Start `python -m asyncwt worker --model MODEL ARGS...`; return it and its base URL.
+
+    The child picks a free port and announces it on its first line of output.
+    """
+    cmd = [sys.executable, "-m", "asyncwt", "worker", "--model", model, "--port", "0", *args]
+    child_env = dict(os.environ if env is None else env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
+    line = _first_line(proc, start_timeout)
+    match = re.search(r"listening on (http://\S+)", line)
+    if match is None:
+        stop_worker(proc)
+        raise RuntimeError(
+            f"asyncwt worker did not start (exit code {proc.poll()}); it printed {line!r}"
+        )
+    return proc, match.group(1)
+
+
+def stop_worker(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL if the worker lingers; reap it and close its pipe."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 @contextlib.contextmanager
@@ -19,32 +54,12 @@ def worker_process(
     env: Mapping[str, str] | None = None,
     start_timeout: float = 60.0,
 ) -> Iterator[str]:
-    """Run `python -m asyncwt worker --model MODEL ARGS...`; yield its base URL.
-
-    The child picks a free port and announces it on its first line of output. On
-    exit (normally or not) it is sent SIGTERM, then killed if it lingers.
-    """
-    cmd = [sys.executable, "-m", "asyncwt", "worker", "--model", model, "--port", "0", *args]
-    child_env = dict(os.environ if env is None else env)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
+    """Run an `asyncwt worker` child for the block's duration; yield its base URL."""
+    proc, url = start_worker(model, *args, env=env, start_timeout=start_timeout)
     try:
-        assert proc.stdout is not None
-        line = _first_line(proc, start_timeout)
-        match = re.search(r"listening on (http://\S+)", line)
-        if match is None:
-            raise RuntimeError(
-                f"asyncwt worker did not start (exit code {proc.poll()}); it printed {line!r}"
-            )
-        yield match.group(1)
+        yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop_worker(proc)
 
 
 def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:

@@ -52,7 +52,7 @@ class BucketSink(Protocol):
         ...
 
     async def reclaim(self, slot: int) -> None:
-        """Wait until every reader released what `slot` held last time."""
+        """Wait until `staging(slot)` may be overwritten (every reader released it)."""
         ...
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
@@ -254,12 +254,12 @@ async def _pack(
                     segments.append(byte_view(tensor)[s.start : s.end])
                     continue
                 if staging is None:
-                    staging = sink.staging(slot)
-                    if staging is None:
-                        staging = pool.buffer(slot)
                     clock.stop()
                     await sink.reclaim(slot)
                     clock.start()
+                    staging = sink.staging(slot)
+                    if staging is None:
+                        staging = pool.buffer(slot)
                 copies.append((s, tensor))
                 segments.append(byte_view(staging)[s.offset : s.offset + s.nbytes])
             ready = work.ready

@@ -115,7 +115,9 @@ class ShmSender(SenderTransport):
             self.close()
             raise
         self.pending: list[set[Peer]] = [set() for _ in self.segments]
-        """Per slot, the workers that still read what it holds."""
+        """Per ring slot, the workers that still read what it holds."""
+        self.bound: dict[int, int] = {}
+        """Pipeline slot → the ring slot it is packing into (until sent)."""
 
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
         fields = {**worker_fields, "segments": [s.name.lstrip("/") for s in self.segments]}
@@ -132,32 +134,43 @@ class ShmSender(SenderTransport):
         self.links.check_usable()
 
     def staging(self, slot: int) -> torch.Tensor | None:
-        return self.buffers[slot]
+        return self.buffers[self.bound[slot]]
 
     def _on_release(self, peer: Peer, frame: Frame) -> None:
         if 0 <= frame.slot < len(self.pending):
             self.pending[frame.slot].discard(peer)
 
     async def reclaim(self, slot: int) -> None:
-        """Read RELEASE frames until no worker still reads `slot`."""
-        while self.pending[slot]:
-            peer = next(iter(self.pending[slot]))
-            frame = await self.links.read_frame(
-                peer, self.release_timeout, f"the release of shared slot {slot}"
-            )
+        """Bind pipeline slot `slot` to a ring slot that no worker reads any more.
+
+        Any free ring slot will do, so one worker slow to apply one bucket does not
+        stall the ring while other slots are free. Waits (reading RELEASE frames)
+        while every ring slot is still being read.
+        """
+        self.bound.pop(slot, None)
+        taken = set(self.bound.values())
+        while True:
+            for ring in range(len(self.buffers)):
+                if ring not in taken and not self.pending[ring]:
+                    self.bound[slot] = ring
+                    return
+            peer = next(p for ring in range(len(self.pending)) for p in self.pending[ring])
+            frame = await self.links.read_frame(peer, self.release_timeout, "a shared-slot release")
             if frame.kind != FrameKind.RELEASE:
                 peer.close(f"sent {frame.kind.name} instead of RELEASE")
                 raise self.links.protocol_error(peer, f"sent {frame.kind.name} instead of RELEASE")
             self._on_release(peer, frame)
 
     async def begin_round(self, round_id: int) -> None:
+        self.bound.clear()  # bindings of an aborted round are void
         await self.links.wait_ready(round_id, self._on_release)
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+        ring = self.bound.pop(slot)  # from now on `pending` guards the ring slot
         header = self.links.frame(
-            FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot
+            FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
         )
-        self.pending[slot] = set(self.links.peers)
+        self.pending[ring] = set(self.links.peers)
         await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
 
     async def end_round(self) -> None:

@@ -26,8 +26,15 @@ def fsdp_push(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from asyncwt import HttpClient, ModuleSource, TcpTrainerInitInfo, trainer_init
-    from asyncwt._checksum import model_checksum
+    from asyncwt import (
+        HttpClient,
+        ModuleSource,
+        ShmTrainerInitInfo,
+        TcpTrainerInitInfo,
+        TorchDistTrainerInitInfo,
+        trainer_init,
+    )
+    from asyncwt import model_checksum
 
     _dist._init(rank, world_size, port)
     torch.manual_seed(0)
@@ -41,7 +48,13 @@ def fsdp_push(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     async def main() -> None:
         async with HttpClient(url) as client:
-            info = TcpTrainerInitInfo(rank=rank, bucket_bytes=4 << 10)
+            backend = os.environ.get("ASYNCWT_TEST_BACKEND", "tcp")
+            if backend == "torch_dist":
+                info: Any = TorchDistTrainerInitInfo(rank=rank, bucket_bytes=4 << 10, num_workers=1)
+            elif backend == "shm":
+                info = ShmTrainerInitInfo(rank=rank, bucket_bytes=4 << 10)
+            else:
+                info = TcpTrainerInitInfo(rank=rank, bucket_bytes=4 << 10)
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 for r in range(1, ROUNDS + 1):

@@ -1,12 +1,16 @@
-"""End to end over TCP: a trainer in this process, `asyncwt worker` servers in others.
+"""The shared backend suite: a trainer in this process, `asyncwt worker` servers in others.
 
-Every round is checked bit-exact through the worker's `/weights_status` checksum.
+Every case runs against every CPU backend (tcp, shm, torch_dist), so a new transport
+gets the whole suite by adding its name to `BACKENDS`. Every round is checked
+bit-exact through the worker's `/weights_status` checksum.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from functools import cached_property
@@ -25,13 +29,17 @@ from asyncwt import (
     HttpClient,
     ModuleSource,
     ParamMeta,
+    ShmTrainerInitInfo,
     SourceMismatchError,
     TcpTrainerInitInfo,
+    TorchDistTrainerInitInfo,
+    TrainerInitInfo,
+    TransferError,
     WeightSource,
+    model_checksum,
     trainer_init,
 )
-from asyncwt._checksum import model_checksum
-from asyncwt._launch import worker_process
+from asyncwt._launch import start_worker, stop_worker, worker_process
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -44,20 +52,44 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
+BACKENDS = ["tcp", "shm", "torch_dist"]
+INFO_CLASSES: dict[str, type[TrainerInitInfo]] = {
+    "tcp": TcpTrainerInitInfo,
+    "shm": ShmTrainerInitInfo,
+    "torch_dist": TorchDistTrainerInitInfo,
+}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    name: str = request.param
+    yield name
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncwt_")], "shm leftovers"
+
+
+def info_for(backend: str, workers: int = 1, **kwargs: Any) -> TrainerInitInfo:
+    kwargs.setdefault("bucket_bytes", _models.BUCKET_BYTES)
+    if backend == "torch_dist":
+        kwargs["num_workers"] = workers
+    return INFO_CLASSES[backend](rank=0, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def mixed_worker() -> Iterator[str]:
-    with worker_process("_models:mixed", env=worker_env()) as url:
+def mixed_worker(backend: str) -> Iterator[str]:
+    with worker_process("_models:mixed", "--backend", backend, env=worker_env()) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def second_mixed_worker() -> Iterator[str]:
-    with worker_process("_models:mixed", env=worker_env()) as url:
+def second_mixed_worker(backend: str) -> Iterator[str]:
+    with worker_process("_models:mixed", "--backend", backend, env=worker_env()) as url:
         yield url
 
 
-def info(**kwargs: Any) -> TcpTrainerInitInfo:
-    return TcpTrainerInitInfo(rank=0, bucket_bytes=_models.BUCKET_BYTES, **kwargs)
+@pytest.fixture
+def info(backend: str) -> Callable[..., TrainerInitInfo]:
+    """`info(**kwargs)`: trainer init info of the backend under test, for one worker."""
+    return functools.partial(info_for, backend)
 
 
 async def assert_worker_has(client: HttpClient, model: torch.nn.Module, version: str) -> None:
@@ -66,8 +98,10 @@ async def assert_worker_has(client: HttpClient, model: torch.nn.Module, version:
         assert (status["weight_version"], status["checksum"]) == (version, expected)
 
 
-async def push_rounds(client: HttpClient, model: torch.nn.Module, rounds: int, **kwargs: Any) -> None:
-    engine = await trainer_init(info(**kwargs), client=client, source=ModuleSource(model))
+async def push_rounds(
+    client: HttpClient, model: torch.nn.Module, rounds: int, info: TrainerInitInfo
+) -> None:
+    engine = await trainer_init(info, client=client, source=ModuleSource(model))
     async with engine:
         for r in range(1, rounds + 1):
             _models.randomize(model, seed=r)
@@ -80,31 +114,32 @@ async def push_rounds(client: HttpClient, model: torch.nn.Module, rounds: int, *
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "packed"])
-async def test_mixed_dtypes_arrive_bit_exact_every_round(mixed_worker: str, zero_copy: bool) -> None:
+async def test_mixed_dtypes_arrive_bit_exact_every_round(
+    mixed_worker: str, info: Callable[..., TrainerInitInfo], zero_copy: bool
+) -> None:
     model = _models.mixed()
     assert not model.noncontig.is_contiguous()
     assert model.big.numel() * 4 > _models.BUCKET_BYTES
     async with HttpClient(mixed_worker) as client:
-        await push_rounds(client, model, rounds=3, zero_copy=zero_copy)
+        await push_rounds(client, model, rounds=3, info=info(zero_copy=zero_copy))
 
 
 @uvloop_only
-async def test_background_copy_path_is_bit_exact() -> None:
+async def test_background_copy_path_is_bit_exact(backend: str) -> None:
     """With a transform every parameter goes through the applier (and chunk reassembly)."""
-    args = ("--transform", "_models:identity_transform", "--apply-threads", "3")
+    args = ("--backend", backend, "--transform", "_models:identity_transform", "--apply-threads", "3")
     with worker_process("_models:mixed", *args, env=worker_env()) as url:
         async with HttpClient(url) as client:
-            await push_rounds(client, _models.mixed(), rounds=2)
+            await push_rounds(client, _models.mixed(), rounds=2, info=info_for(backend))
 
 
 @uvloop_only
-async def test_five_thousand_tiny_tensors() -> None:
-    with worker_process("_models:many_tiny", env=worker_env()) as url:
+async def test_five_thousand_tiny_tensors(backend: str) -> None:
+    with worker_process("_models:many_tiny", "--backend", backend, env=worker_env()) as url:
         async with HttpClient(url) as client:
             model = _models.many_tiny()
-            engine = await trainer_init(
-                TcpTrainerInitInfo(rank=0, bucket_bytes=16 << 10), client=client, source=ModuleSource(model)
-            )
+            info = info_for(backend, bucket_bytes=16 << 10)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 assert len(engine.plan.buckets) > 3
                 for r in (1, 2):
@@ -114,14 +149,19 @@ async def test_five_thousand_tiny_tensors() -> None:
 
 
 @uvloop_only
-async def test_two_workers_receive_every_round(mixed_worker: str, second_mixed_worker: str) -> None:
+async def test_two_workers_receive_every_round(
+    backend: str, mixed_worker: str, second_mixed_worker: str
+) -> None:
     async with HttpClient([mixed_worker, second_mixed_worker]) as client:
-        await push_rounds(client, _models.mixed(), rounds=2)
+        await push_rounds(client, _models.mixed(), rounds=2, info=info_for(backend, workers=2))
 
 
-def test_two_trainer_ranks_push_an_fsdp2_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with worker_process("_models:dtensor_mlp", env=worker_env()) as url:
+def test_two_trainer_ranks_push_an_fsdp2_model(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with worker_process("_models:dtensor_mlp", "--backend", backend, env=worker_env()) as url:
         monkeypatch.setenv("ASYNCWT_TEST_WORKER_URL", url)
+        monkeypatch.setenv("ASYNCWT_TEST_BACKEND", backend)
         monkeypatch.setenv("PYTHONPATH", str(TESTS))
         rank0, rank1 = _dist.run_ranks(_e2e_ranks.fsdp_push, 2, tmp_path, timeout_s=90)
     full_bytes = sum(p.numel() * 4 for p in _models.dtensor_mlp().parameters())
@@ -150,10 +190,13 @@ class RecordingClient(HttpClient):
 
 
 @uvloop_only
-async def test_update_returns_before_slow_transform_and_finish_waits(tmp_path: Path) -> None:
+async def test_update_returns_before_slow_transform_and_finish_waits(
+    backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
+) -> None:
     marker = tmp_path / "transformed"
     env = worker_env(ASYNCWT_TEST_MARKER=str(marker))
-    with worker_process("_models:mixed", "--transform", "_models:slow_transform", env=env) as url:
+    args = ("--backend", backend, "--transform", "_models:slow_transform")
+    with worker_process("_models:mixed", *args, env=env) as url:
         async with RecordingClient(url, marker.exists) as client:
             model = _models.mixed()
             _models.randomize(model, seed=5)
@@ -165,10 +208,13 @@ async def test_update_returns_before_slow_transform_and_finish_waits(tmp_path: P
 
 
 @uvloop_only
-async def test_failing_transform_surfaces_at_finish_and_version_stays(tmp_path: Path) -> None:
+async def test_failing_transform_surfaces_at_finish_and_version_stays(
+    backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
+) -> None:
     flag = tmp_path / "fail"
     env = worker_env(ASYNCWT_TEST_FAIL=str(flag))
-    with worker_process("_models:mixed", "--transform", "_models:failing_transform", env=env) as url:
+    args = ("--backend", backend, "--transform", "_models:failing_transform")
+    with worker_process("_models:mixed", *args, env=env) as url:
         async with HttpClient(url) as client:
             model = _models.mixed()
             engine = await trainer_init(info(), client=client, source=ModuleSource(model))
@@ -193,7 +239,9 @@ async def test_failing_transform_surfaces_at_finish_and_version_stays(tmp_path: 
 
 
 @uvloop_only
-async def test_plan_digest_mismatch_fails_before_any_data_moves(mixed_worker: str) -> None:
+async def test_plan_digest_mismatch_fails_before_any_data_moves(
+    mixed_worker: str, info: Callable[..., TrainerInitInfo]
+) -> None:
     async with HttpClient(mixed_worker) as client:
         model = _models.mixed()
         engine = await trainer_init(info(), client=client, source=ModuleSource(model))
@@ -211,7 +259,9 @@ async def test_plan_digest_mismatch_fails_before_any_data_moves(mixed_worker: st
 
 
 @uvloop_only
-async def test_worker_model_that_lacks_a_parameter_fails_init(mixed_worker: str) -> None:
+async def test_worker_model_that_lacks_a_parameter_fails_init(
+    mixed_worker: str, info: Callable[..., TrainerInitInfo]
+) -> None:
     async with HttpClient(mixed_worker) as client:
         with pytest.raises(ControlPlaneError, match=r"the worker's model has no parameter '0'"):
             await trainer_init(info(), client=client, source=ModuleSource(_models.many_tiny()))
@@ -274,7 +324,7 @@ FAULTS = [
 @uvloop_only
 @pytest.mark.parametrize(("fault", "message"), FAULTS)
 async def test_source_that_breaks_the_plan_fails_the_round_then_recovers(
-    mixed_worker: str, fault: Callable[..., Any], message: str
+    mixed_worker: str, info: Callable[..., TrainerInitInfo], fault: Callable[..., Any], message: str
 ) -> None:
     async with HttpClient(mixed_worker) as client:
         model = _models.mixed()
@@ -317,7 +367,9 @@ def _open_fds() -> int:
 
 @uvloop_only
 @pytest.mark.parametrize("cancel_after", [0.05, 0.3, 0.9])
-async def test_cancelling_send_weights_leaves_nothing_behind(mixed_worker: str, cancel_after: float) -> None:
+async def test_cancelling_send_weights_leaves_nothing_behind(
+    mixed_worker: str, info: Callable[..., TrainerInitInfo], cancel_after: float
+) -> None:
     async with HttpClient(mixed_worker) as client:
         model = _models.mixed()
         source = FaultySource(model)
@@ -352,7 +404,9 @@ class TamperingClient(HttpClient):
 
 
 @uvloop_only
-async def test_worker_with_the_wrong_token_is_refused(mixed_worker: str) -> None:
+async def test_worker_with_the_wrong_token_is_refused(
+    mixed_worker: str, info: Callable[..., TrainerInitInfo]
+) -> None:
     model = _models.mixed()
     async with TamperingClient(mixed_worker) as bad:
         with pytest.raises(
@@ -361,4 +415,34 @@ async def test_worker_with_the_wrong_token_is_refused(mixed_worker: str) -> None
         ):
             await trainer_init(info(), client=bad, source=ModuleSource(model))
     async with HttpClient(mixed_worker) as client:
-        await push_rounds(client, model, rounds=1)
+        await push_rounds(client, model, rounds=1, info=info())
+
+
+@uvloop_only
+async def test_killed_worker_ends_the_round_with_an_error_not_a_hang(backend: str) -> None:
+    proc, url = start_worker("_models:mixed", "--backend", backend, env=worker_env())
+    try:
+        async with HttpClient(url, timeout=20) as client:
+            model = _models.mixed()
+            source = FaultySource(model)
+            timeouts = {"send_timeout": 10.0, "ready_timeout": 10.0, "recv_timeout": 10.0}
+            engine = await trainer_init(info_for(backend, **timeouts), client=client, source=source)
+            async with engine:
+                await engine.send_weights(weight_version="alive")
+                source.delay = 0.2
+
+                async def kill_soon() -> None:
+                    await anyio.sleep(0.5)
+                    os.kill(proc.pid, signal.SIGKILL)
+
+                with anyio.fail_after(40):  # a hang fails here; the timeouts above are 10 s
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(kill_soon)
+                        with pytest.raises((TransferError, ControlPlaneError)):
+                            await engine.send_weights(weight_version="killed")
+                # The worker is gone: the next round fails at once too (its control
+                # plane is unreachable, or the data connection is known broken).
+                with anyio.fail_after(20), pytest.raises((TransferError, ControlPlaneError)):
+                    await engine.send_weights(weight_version="after")
+    finally:
+        stop_worker(proc)
