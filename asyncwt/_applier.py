@@ -182,6 +182,10 @@ class DeferredApplier:
                 if self._error is None:
                     self._error = error
         finally:
+            if buffer is not None and buffer.is_cuda:
+                # Copies out of a device buffer are asynchronous: the buffer may be
+                # handed back (and rewritten) only once they have run.
+                torch.cuda.current_stream(buffer.device).synchronize()
             release()
 
     def _reassemble(

@@ -72,6 +72,15 @@ class DeviceLane:
         event.record(self.stream)
         return event
 
+    def record_caller(self) -> LaneEvent:
+        """Mark the work the calling thread has enqueued on its current stream so far
+        (e.g. the optimizer step), for this lane to wait on before reading weights."""
+        if self.stream is None:
+            return _DONE
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def wait_on(self, event: LaneEvent) -> None:
         """Make later work on this lane wait for `event` (device-side, no host block)."""
         if self.stream is not None and isinstance(event, torch.cuda.Event):

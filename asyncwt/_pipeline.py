@@ -179,6 +179,7 @@ def _iterate(
     out: MemoryObjectSendStream[_Work],
     stop: threading.Event,
     clock: StageClock,
+    caller_ready: LaneEvent,
 ) -> None:
     """The iterate stage's thread body: yield → check → group by bucket → hand out."""
     expected = list(range(len(plan.params)))
@@ -188,6 +189,7 @@ def _iterate(
     pairs = _iter_pairs(source)
     try:
         with lane.activate():
+            lane.wait_on(caller_ready)  # the weights as of the send_weights call
             clock.start()
             for name, tensor in pairs:
                 if stop.is_set():
@@ -318,12 +320,14 @@ async def run_pipeline(
     for slot in range(config.num_buffers):
         slot_send.send_nowait(slot)
     stop = threading.Event()
+    caller_ready = iterate_lane.record_caller()
 
     async def iterate() -> None:
         async with work_send:
             try:
                 await anyio.to_thread.run_sync(
-                    _iterate, plan, source, iterate_lane, work_send, stop, clocks["iterate"]
+                    _iterate, plan, source, iterate_lane, work_send, stop, clocks["iterate"],
+                    caller_ready,
                 )
             except anyio.BrokenResourceError:
                 pass  # the pack stage failed; its error is the one that counts

@@ -19,6 +19,8 @@ __all__ = [
     "trainer_init",
 ]
 
+_UNAVAILABLE: dict[str, str] = {}
+"""Backends that ship with asyncwt but cannot run here, with the reason."""
 _TRAINER_ENGINES: dict[str, type[TrainerWeightTransferEngine[Any]]] = {}
 _WORKER_ENGINES: dict[str, type[WeightTransferEngine[Any, Any]]] = {}
 
@@ -39,9 +41,19 @@ def _lookup(registry: dict[str, Any], kind: str, backend: str) -> Any:
         return registry[backend]
     except KeyError:
         known = ", ".join(repr(b) for b in sorted(registry)) or "none"
+        if backend in _UNAVAILABLE:
+            raise ValueError(
+                f"{kind} backend {backend!r} is not available: {_UNAVAILABLE[backend]}; "
+                f"registered backends: {known}"
+            ) from None
         raise ValueError(
             f"unknown {kind} backend {backend!r}; registered backends: {known}"
         ) from None
+
+
+def mark_unavailable(backend: str, why: str) -> None:
+    """Record that built-in `backend` cannot run here, so asking for it says why."""
+    _UNAVAILABLE[backend] = why
 
 
 def register_trainer_engine(backend: str, cls: type[TrainerWeightTransferEngine[Any]]) -> None:

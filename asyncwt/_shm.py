@@ -1,10 +1,4 @@
-"""The `"shm"` backend: a ring of shared-memory buckets on one host.
-
-The trainer packs each bucket straight into one of `num_buffers` shared-memory
-segments; the link (the same authenticated connection as `"tcp"`, on loopback)
-carries only frame headers naming the slot, and each worker's RELEASE of a slot
-once its applier is done with it. Workers read the bytes in place. A slot is
-rewritten only after every worker released it.
+"""The `"shm"` backend: the bucket ring (see `_ring`) in shared memory, on one host.
 
 Segments are created with owner-only permissions and unlinked as soon as every
 worker has mapped them, so nothing is left in `/dev/shm` even if both sides are
@@ -16,22 +10,18 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, ClassVar
 
 import torch
 
-from ._applier import ModelTarget
-from ._exceptions import ProtocolError
-from ._link import Peer, TrainerLinks, WorkerLink, connect_link
-from ._plan import Bucket, TransferPlan
+from ._plan import TransferPlan
+from ._ring import RingReceiver, RingSender
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._trainer import TrainerInitInfo
 from ._trainer_engine import PipelinedTrainerEngine
-from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
-from ._wire import Frame, FrameKind
+from ._transport import ReceiverTransport, SenderTransport
 from ._worker_engine import DeferredWorkerEngine
 
 __all__ = [
@@ -91,18 +81,14 @@ def _attach(name: str, nbytes: int) -> shared_memory.SharedMemory:
     return segment
 
 
-class ShmSender(SenderTransport):
-    """Packs buckets into the shared ring and announces each slot over the link."""
-
-    accepts_views = False
+class ShmSender(RingSender):
+    """The ring in shared-memory segments created here, owner-only."""
 
     def __init__(self, info: ShmTrainerInitInfo, plan: TransferPlan) -> None:
-        self.links = TrainerLinks(info.link_settings(), plan)
-        self.bucket_bytes = plan.bucket_bytes
-        self.release_timeout = info.send_timeout
+        super().__init__(info, plan)
         prefix = f"asyncwt_{secrets.token_hex(8)}"
         self.segments: list[shared_memory.SharedMemory] = []
-        self.buffers: list[torch.Tensor] = []
+        buffers = []
         try:
             for slot in range(info.num_buffers):
                 segment = shared_memory.SharedMemory(
@@ -110,78 +96,22 @@ class ShmSender(SenderTransport):
                 )
                 _CREATED_HERE.add(segment.name.lstrip("/"))
                 self.segments.append(segment)
-                self.buffers.append(_view(segment, plan.bucket_bytes))
+                buffers.append(_view(segment, plan.bucket_bytes))
         except BaseException:
             self.close()
             raise
-        self.pending: list[set[Peer]] = [set() for _ in self.segments]
-        """Per ring slot, the workers that still read what it holds."""
-        self.bound: dict[int, int] = {}
-        """Pipeline slot → the ring slot it is packing into (until sent)."""
+        self.set_buffers(buffers)
 
-    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
-        fields = {**worker_fields, "segments": [s.name.lstrip("/") for s in self.segments]}
-        await self.links.rendezvous(fields, init_workers)
+    def exported(self) -> dict[str, Any]:
+        return {"segments": [s.name.lstrip("/") for s in self.segments]}
+
+    def after_rendezvous(self) -> None:
         for segment in self.segments:  # every worker has mapped them: drop the names
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
 
-    @property
-    def num_workers(self) -> int:
-        return len(self.links.peers)
-
-    def check_usable(self) -> None:
-        self.links.check_usable()
-
-    def staging(self, slot: int) -> torch.Tensor | None:
-        return self.buffers[self.bound[slot]]
-
-    def _on_release(self, peer: Peer, frame: Frame) -> None:
-        if 0 <= frame.slot < len(self.pending):
-            self.pending[frame.slot].discard(peer)
-
-    async def reclaim(self, slot: int) -> None:
-        """Bind pipeline slot `slot` to a ring slot that no worker reads any more.
-
-        Any free ring slot will do, so one worker slow to apply one bucket does not
-        stall the ring while other slots are free. Waits (reading RELEASE frames)
-        while every ring slot is still being read.
-        """
-        self.bound.pop(slot, None)
-        taken = set(self.bound.values())
-        while True:
-            for ring in range(len(self.buffers)):
-                if ring not in taken and not self.pending[ring]:
-                    self.bound[slot] = ring
-                    return
-            peer = next(p for ring in range(len(self.pending)) for p in self.pending[ring])
-            frame = await self.links.read_frame(peer, self.release_timeout, "a shared-slot release")
-            if frame.kind != FrameKind.RELEASE:
-                peer.close(f"sent {frame.kind.name} instead of RELEASE")
-                raise self.links.protocol_error(peer, f"sent {frame.kind.name} instead of RELEASE")
-            self._on_release(peer, frame)
-
-    async def begin_round(self, round_id: int) -> None:
-        self.bound.clear()  # bindings of an aborted round are void
-        await self.links.wait_ready(round_id, self._on_release)
-
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
-        ring = self.bound.pop(slot)  # from now on `pending` guards the ring slot
-        header = self.links.frame(
-            FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
-        )
-        self.pending[ring] = set(self.links.peers)
-        await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
-
-    async def end_round(self) -> None:
-        await self.links.end_round()
-
-    async def abort_round(self, reason: str) -> None:
-        await self.links.abort_round(reason)
-
     def close(self) -> None:
-        self.links.close()
-        self.buffers = []
+        super().close()
         for segment in self.segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
@@ -190,60 +120,23 @@ class ShmSender(SenderTransport):
         self.segments = []
 
 
-class ShmReceiver(ReceiverTransport):
-    """Maps the ring; yields each announced slot as the bucket's buffer, in place."""
+class ShmReceiver(RingReceiver):
+    """Maps the trainer's shared-memory segments."""
 
     def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan) -> None:
-        self.info = info
-        self.plan = plan
-        self.link: WorkerLink | None = None
+        super().__init__(info, plan)
+        self.segment_names = info.segments
         self.segments: list[shared_memory.SharedMemory] = []
-        self.buffers: list[torch.Tensor] = []
 
-    def connect(self) -> None:
-        info, plan = self.info, self.plan
-        try:
-            for name in info.segments:
-                segment = _attach(name, plan.bucket_bytes)
-                self.segments.append(segment)
-                self.buffers.append(_view(segment, plan.bucket_bytes))
-            sock = connect_link(info.host, info.port, info.token, plan, info.connect_timeout)
-        except BaseException:
-            self.close()
-            raise
-        self.link = WorkerLink(sock, plan, info.recv_timeout)
+    def map_ring(self) -> list[torch.Tensor]:
+        buffers = []
+        for name in self.segment_names:
+            segment = _attach(name, self.plan.bucket_bytes)
+            self.segments.append(segment)
+            buffers.append(_view(segment, self.plan.bucket_bytes))
+        return buffers
 
-    @property
-    def usable(self) -> bool:
-        return self.link is not None and not self.link.broken
-
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
-        link = self.link
-        assert link is not None
-        with link.guard(round_id):
-            for frame in link.frames(round_id):
-                if not 0 <= frame.slot < len(self.buffers):
-                    raise ProtocolError(
-                        f"round {round_id}: bucket {frame.index} names shared slot {frame.slot}, "
-                        f"there are {len(self.buffers)}"
-                    )
-                bucket = self.plan.buckets[frame.index]
-                yield ReceivedBucket(bucket, self.buffers[frame.slot], self._releaser(link, frame))
-
-    @staticmethod
-    def _releaser(link: WorkerLink, frame: Frame) -> Any:
-        release = Frame(FrameKind.RELEASE, frame.round_id, frame.index, frame.digest, 0, frame.slot)
-
-        def release_slot() -> None:
-            with contextlib.suppress(OSError):  # a broken link fails the round anyway
-                link.send(release)
-
-        return release_slot
-
-    def close(self) -> None:
-        if self.link is not None:
-            self.link.close()
-        self.buffers = []
+    def unmap_ring(self) -> None:
         for segment in self.segments:
             with contextlib.suppress(BufferError):
                 segment.close()

@@ -75,3 +75,8 @@ def failing_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def dtensor_mlp() -> nn.Module:
     """The worker's copy of the model the two-rank trainer shards with FSDP2."""
     return nn.Sequential(nn.Linear(64, 47), nn.ReLU(), nn.Linear(47, 33), nn.LayerNorm(33))
+
+
+def mixed_cuda() -> nn.Module:
+    """`mixed()` on the GPU (for the CUDA backends)."""
+    return Mixed().cuda()

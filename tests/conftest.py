@@ -21,3 +21,15 @@ def pytest_asyncio_loop_factories(
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a GPU: they run on the lent GPU machine, not in CI."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
