@@ -118,7 +118,9 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     transform = _import_object(args.transform, "--transform", parser) if args.transform else None
     try:
         config = WeightTransferConfig(
-            backend=args.backend, apply_threads=args.apply_threads, transform=transform
+            backend=args.backend,
+            apply_threads=args.apply_threads,
+            transform=transform,  # type: ignore[arg-type]  # checked callable; signature is the user's
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -52,7 +52,7 @@ async def run_demo(steps: int = 5, bucket_mib: int = 16) -> None:
                 for step in range(1, steps + 1):
                     loss = nn.functional.mse_loss(policy(inputs), targets)
                     optimizer.zero_grad()
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]
                     optimizer.step()
                     stats = await engine.send_weights(weight_version=f"step-{step}")
                     (status,) = await client.weights_status()

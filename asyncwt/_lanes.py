@@ -48,7 +48,7 @@ class DeviceLane:
         self.device = torch.device(device)
         self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream(device=self.device)
+            self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
 
     @property
     def is_async(self) -> bool:
@@ -68,7 +68,7 @@ class DeviceLane:
         """Mark everything enqueued on the lane so far."""
         if self.stream is None:
             return _DONE
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self.stream)
         return event
 
@@ -77,7 +77,7 @@ class DeviceLane:
         (e.g. the optimizer step), for this lane to wait on before reading weights."""
         if self.stream is None:
             return _DONE
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import anyio
 import anyio.from_thread
@@ -42,7 +42,7 @@ __all__ = ["BucketSink", "PipelineConfig", "StagingPool", "iterate_and_check", "
 class BucketSink(Protocol):
     """Where the send stage delivers buckets: a transport's sending side."""
 
-    accepts_views: bool
+    accepts_views: ClassVar[bool]
     """Whether segments may point into the source's own tensors (scatter-gather
     sends); if not, every slice is packed into `staging(slot)` or the pool."""
 
@@ -148,7 +148,7 @@ def _check_end(plan: TransferPlan, expected: list[int], pos: int) -> None:
         )
 
 
-def _iter_pairs(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_pairs(source: WeightSource) -> Generator[tuple[str, torch.Tensor], None, None]:
     with torch.no_grad():
         yield from source.iter_full()
 

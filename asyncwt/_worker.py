@@ -135,11 +135,15 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
         """Build the typed init info; a bad dict becomes `ValueError`."""
-        return _parse(self.init_info_cls, init_dict, "init_info", type(self).__name__)
+        parsed: TInitInfo = _parse(self.init_info_cls, init_dict, "init_info", type(self).__name__)
+        return parsed
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
         """Build the typed update info; a bad dict becomes `ValueError`."""
-        return _parse(self.update_info_cls, update_dict, "update_info", type(self).__name__)
+        parsed: TUpdateInfo = _parse(
+            self.update_info_cls, update_dict, "update_info", type(self).__name__
+        )
+        return parsed
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:
