@@ -1,0 +1,400 @@
+"""asyncwt itself, trainer → `asyncwt worker` process, on each backend in `BACKENDS`.
+
+The trainer is this process (an `HttpClient` control plane, the backend's data
+plane); the worker is a real `python -m asyncwt worker` serving the benchmark
+model. A measured run is: open memory windows on both processes, `trainer_init`,
+warm-up and timed `send_weights` rounds, shut the engine down on both ends (so the
+next configuration starts from a clean worker), then compare the worker's
+`/weights_status` checksum with the trainer's model.
+
+Adding a backend is one `BackendEntry` in `BACKENDS`: how to build its trainer init
+info from the benchmark's knobs. Backends not registered on both sides are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._checksum import model_checksum
+from .._http_client import HttpClient
+from .._registry import registered_backends, trainer_init
+from .._source import ModuleSource, WeightSource
+from .._stats import RoundStats
+from .._trainer import TrainerInitInfo
+from ._memory import MemoryProbe
+from ._model import LlamaShape, SyntheticLlama, fill_random
+from ._overlap import SlowSource, read_events
+from ._procs import Child, start_child
+from ._util import Rounds, run_async, summarize
+
+__all__ = [
+    "BACKENDS",
+    "BackendEntry",
+    "EngineConfig",
+    "TrainerJob",
+    "available_backends",
+    "measure_engine",
+    "run_trainer",
+    "trainer_process",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """The trainer-side knobs a benchmark run varies."""
+
+    bucket_bytes: int
+    """Bucket size (unit of transfer and of staging memory)."""
+    num_buffers: int
+    """Buckets in flight per side."""
+    zero_copy: bool = True
+    """Send contiguous CPU tensors in place (False: pack every bucket, as from a GPU)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """Staging memory the configuration allows per side: num_buffers × bucket_bytes."""
+        return self.num_buffers * self.bucket_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bucket_bytes": self.bucket_bytes,
+            "num_buffers": self.num_buffers,
+            "zero_copy": self.zero_copy,
+            "budget_bytes": self.budget_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendEntry:
+    """One asyncwt backend the benchmark knows how to drive."""
+
+    name: str
+    """Registry key, on the trainer and on the worker (`asyncwt worker --backend`)."""
+    info_class: str
+    """`module:Class` of its trainer init info, imported only when the backend runs."""
+
+    def make_info(self, config: EngineConfig) -> TrainerInitInfo:
+        """The rank-0 trainer init info for `config` (loopback endpoints, one worker).
+
+        Every pipelined backend's info takes `bucket_bytes`, `num_buffers` and
+        `zero_copy`; `host` is pinned to 127.0.0.1 where the info has one.
+        """
+        module_name, _, class_name = self.info_class.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {
+            "rank": 0,
+            "bucket_bytes": config.bucket_bytes,
+            "num_buffers": config.num_buffers,
+            "zero_copy": config.zero_copy,
+        }
+        if "host" in names:
+            kwargs["host"] = "127.0.0.1"
+        info: TrainerInitInfo = cls(**kwargs)
+        return info
+
+
+BACKENDS: tuple[BackendEntry, ...] = (
+    BackendEntry(name="tcp", info_class="asyncwt._tcp_info:TcpTrainerInitInfo"),
+    BackendEntry(name="shm", info_class="asyncwt._shm:ShmTrainerInitInfo"),
+    BackendEntry(name="torch_dist", info_class="asyncwt._torch_dist:TorchDistTrainerInitInfo"),
+)
+"""Every backend the benchmark can run, in report order; a new one is one entry."""
+
+
+def available_backends(names: Sequence[str] | None = None) -> list[BackendEntry]:
+    """The entries of `BACKENDS` registered on both sides (only `names`, if given).
+
+    A name that is not an entry of `BACKENDS`, or not registered, is a `ValueError`.
+    """
+    registered = registered_backends()
+    usable = {
+        b.name: b
+        for b in BACKENDS
+        if b.name in registered["trainer"] and b.name in registered["worker"]
+    }
+    if names is None:
+        return list(usable.values())
+    unknown = [n for n in names if n not in usable]
+    if unknown:
+        raise ValueError(
+            f"backends {unknown} cannot be benchmarked; available: {sorted(usable)} "
+            f"(a backend needs an entry in asyncwt._bench._engines.BACKENDS and a registration "
+            f"on both sides)"
+        )
+    return [usable[n] for n in names]
+
+
+def _hook_send_timeline(engine: Any, timeline: list[tuple[int, float, float]]) -> bool:
+    """Record `(bucket, start, end)` of each bucket send, if the engine exposes its sink.
+
+    asyncwt has no per-bucket event hook yet: this wraps the sending transport's
+    `send_bucket(bucket, ...)` on the engine instance (`engine.transport`, or the
+    older `engine._fanout`) and returns False when there is none to wrap.
+    """
+    sink = getattr(engine, "transport", None) or getattr(engine, "_fanout", None)
+    send = getattr(sink, "send_bucket", None)
+    if sink is None or send is None:
+        return False
+
+    async def timed(bucket: Any, *args: Any) -> None:
+        start = time.monotonic()
+        await send(bucket, *args)
+        timeline.append((bucket.index, start, time.monotonic()))
+
+    sink.send_bucket = timed
+    return True
+
+
+async def measure_engine(
+    backend: BackendEntry,
+    *,
+    url: str,
+    worker_pid: int,
+    source: WeightSource,
+    config: EngineConfig,
+    rounds: Rounds,
+    expected_checksum: str | None,
+    worker_baseline_bytes: int | None = None,
+    on_round: Callable[[int, RoundStats, list[tuple[int, float, float]]], None] | None = None,
+) -> dict[str, Any]:
+    """Run warm-up + timed rounds of `backend` with `config`; the JSON record.
+
+    `on_round(i, stats, send_timeline)` is called after each round (i from 0,
+    warm-up included). With `expected_checksum`, the worker's checksum is checked
+    after the last round. The worker's engine is shut down at the end either way.
+    """
+    gc.collect()
+    trainer_probe = MemoryProbe()
+    worker_probe = MemoryProbe(worker_pid)
+    trainer_probe.start()
+    worker_probe.start(worker_baseline_bytes)
+    stats: list[RoundStats] = []
+    timeline: list[tuple[int, float, float]] = []
+    async with HttpClient(url, timeout=600.0) as client:
+        try:
+            engine = await trainer_init(backend.make_info(config), client=client, source=source)
+            try:
+                hooked = _hook_send_timeline(engine, timeline)
+                for i in range(rounds.total):
+                    timeline.clear()
+                    round_stats = await engine.send_weights(weight_version=f"bench-{i}")
+                    stats.append(round_stats)
+                    if on_round is not None:
+                        on_round(i, round_stats, list(timeline))
+            finally:
+                await engine.shutdown()
+                del engine
+            trainer_window = trainer_probe.stop()
+            worker_window = worker_probe.stop()
+            status = (await client.weights_status())[0]
+        finally:
+            await client.shutdown()
+    timed = stats[rounds.warmup :]
+    busy_keys = sorted({k for s in timed for k in s.stage_busy_s})
+    busy = {k: _median([s.stage_busy_s.get(k, 0.0) for s in timed]) for k in busy_keys}
+    record = summarize(
+        [s.wall_s for s in timed],
+        timed[0].bytes,
+        [s.wall_s for s in stats[: rounds.warmup]],
+        backend=backend.name,
+        config=config.as_dict(),
+        buckets=timed[0].buckets,
+        stage_busy_s=busy,
+        stage_busy_share=({k: v / _median([s.wall_s for s in timed]) for k, v in busy.items()}),
+        send_timeline_hooked=hooked,
+        memory={"trainer": trainer_window.as_dict(), "worker": worker_window.as_dict()},
+        worker_version=status.get("weight_version"),
+        worker_checksum=status.get("checksum"),
+    )
+    if expected_checksum is not None:
+        record["bit_exact"] = status.get("checksum") == expected_checksum
+    return record
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+# -- the trainer process ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerJob:
+    """One measured run inside a trainer process."""
+
+    label: str
+    config: EngineConfig
+    gather_s_per_tensor: float = 0.0
+    """Simulated gather before each tensor (0: the plain `ModuleSource`)."""
+    verify: bool = False
+    """Compare the worker's checksum with the trainer's after the last round."""
+    worker_baseline_bytes: int | None = None
+    """The worker's RSS to count from (default: its RSS when the job starts)."""
+    events_path: str | None = None
+    """The worker transform's events file: record a per-round timeline."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "config": {k: v for k, v in self.config.as_dict().items() if k != "budget_bytes"},
+            "gather_s_per_tensor": self.gather_s_per_tensor,
+            "verify": self.verify,
+            "worker_baseline_bytes": self.worker_baseline_bytes,
+            "events_path": self.events_path,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerJob:
+        return cls(**{**data, "config": EngineConfig(**data["config"])})
+
+
+def trainer_process(
+    *,
+    backend: str,
+    url: str,
+    worker_pid: int,
+    shape: str,
+    seed: int,
+    rounds: dict[str, int],
+    jobs: list[dict[str, Any]],
+    result_path: str,
+) -> None:
+    """Child side: build the trainer's model, run every job, write the results (JSON).
+
+    A fresh process per worker keeps the trainer's memory figures honest: a heap
+    that earlier sections warmed up would hide the engine's own allocations.
+    """
+    entry = next(b for b in BACKENDS if b.name == backend)
+    model = SyntheticLlama(LlamaShape.from_json(shape))
+    fill_random(model, seed)
+    checksum = model_checksum(model)
+    plan_rounds = Rounds(**rounds)
+    results = []
+    for raw in jobs:
+        job = TrainerJob.from_json(raw)
+        print(f"trainer: {job.label}", file=sys.stderr, flush=True)
+        results.append(
+            run_async(
+                functools.partial(
+                    _run_job, entry, job, model, url, worker_pid, plan_rounds, checksum
+                )
+            )
+        )
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as out:
+        json.dump({"trainer_checksum": checksum, "results": results}, out)
+    os.replace(tmp, result_path)
+
+
+async def _run_job(
+    backend: BackendEntry,
+    job: TrainerJob,
+    model: torch.nn.Module,
+    url: str,
+    worker_pid: int,
+    rounds: Rounds,
+    checksum: str,
+) -> dict[str, Any]:
+    timeline = job.events_path is not None or job.gather_s_per_tensor > 0
+    source: WeightSource = (
+        SlowSource(model, job.gather_s_per_tensor) if timeline else ModuleSource(model)
+    )
+    timelines: list[dict[str, Any]] = []
+    offset = (
+        os.path.getsize(job.events_path)
+        if job.events_path and os.path.exists(job.events_path)
+        else 0
+    )
+
+    def on_round(index: int, stats: RoundStats, sends: list[tuple[int, float, float]]) -> None:
+        nonlocal offset
+        end = time.monotonic()
+        start = end - stats.wall_s
+        worker_events: list[tuple[str, float, float]] = []
+        if job.events_path is not None:
+            worker_events, offset = read_events(job.events_path, offset)
+        gathers = source.events if isinstance(source, SlowSource) else []
+        timelines.append(
+            {
+                "round": index,
+                "wall_s": stats.wall_s,
+                "gather": [(n, a - start, b - start) for n, a, b in gathers],
+                "send": [(i, a - start, b - start) for i, a, b in sends],
+                "transform": [(n, a - start, b - start) for n, a, b in worker_events],
+            }
+        )
+
+    record = await measure_engine(
+        backend,
+        url=url,
+        worker_pid=worker_pid,
+        source=source,
+        config=job.config,
+        rounds=rounds,
+        expected_checksum=checksum if job.verify else None,
+        worker_baseline_bytes=job.worker_baseline_bytes,
+        on_round=on_round if timeline else None,
+    )
+    record["label"] = job.label
+    record["gather_s_per_tensor"] = job.gather_s_per_tensor
+    if timeline:
+        record["timelines"] = timelines
+    return record
+
+
+TRAINER_TIMEOUT_S = 3600.0
+
+
+def run_trainer(
+    backend: BackendEntry,
+    *,
+    url: str,
+    worker: Child,
+    shape: LlamaShape,
+    seed: int,
+    rounds: Rounds,
+    jobs: list[TrainerJob],
+    log_dir: Path,
+    env: Mapping[str, str],
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run `jobs` in a fresh trainer process against `worker`; (trainer checksum, records)."""
+    result = log_dir / f"trainer-{backend.name}-{worker.pid}.json"
+    result.unlink(missing_ok=True)
+    args = {
+        "backend": backend.name,
+        "url": url,
+        "worker_pid": worker.pid,
+        "shape": shape.to_json(),
+        "seed": seed,
+        "rounds": {"rounds": rounds.rounds, "warmup": rounds.warmup},
+        "jobs": [job.to_json() for job in jobs],
+        "result_path": str(result),
+    }
+    deadline = time.monotonic() + TRAINER_TIMEOUT_S
+    with start_child(f"trainer-{backend.name}", args, log_dir, env) as trainer:
+        while trainer.proc.poll() is None:
+            time.sleep(0.05)
+            if worker.proc.poll() is not None:
+                raise worker.failure("the worker exited while the trainer ran")
+            if time.monotonic() > deadline:
+                raise trainer.failure(f"did not finish within {TRAINER_TIMEOUT_S}s")
+        if trainer.proc.returncode != 0 or not result.exists():
+            raise trainer.failure("the trainer process failed")
+    data = json.loads(result.read_text())
+    return data["trainer_checksum"], data["results"]

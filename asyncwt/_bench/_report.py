@@ -1,0 +1,383 @@
+"""Turn a run's figures into ratios, PASS/FAIL bars, a table, JSON and a chart.
+
+Every figure is also given as a ratio against a baseline measured in the same run
+(`vs_*` keys), so results from different machines compare by shape, not by speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ._peers import PEER_TITLES
+
+__all__ = ["BARS", "add_ratios", "evaluate_bars", "format_table", "write_chart", "write_json"]
+
+MiB = 1 << 20
+
+MEMORY_SLACK = 0.10
+"""Memory bar: num_buffers × bucket_bytes plus this share..."""
+MEMORY_FIXED_BYTES = 8 * MiB
+"""...plus this many bytes ("a few MiB": allocator, threads, control plane)."""
+
+BARS = {
+    "vs_raw_loopback": 0.8,
+    "vs_naive": 3.0,
+    "vs_every_peer": 1.0,
+    "overlap_vs_slowest": 1.15,
+}
+"""The issue's thresholds (the first is set for the 1 GiB model)."""
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def add_ratios(report: dict[str, Any]) -> None:
+    """Add `vs` dicts (throughput ratios) to every transfer figure, in place."""
+    limits = report["limits"]
+    bases: dict[str, float] = {
+        "raw_loopback": limits["raw_loopback"]["gbps"],
+        "memcpy": limits["memcpy"]["gbps"],
+    }
+    for name, record in report["peers"].items():
+        bases[name] = record["gbps"]
+    limits["memcpy"]["vs"] = {
+        "raw_loopback": _ratio(limits["memcpy"]["gbps"], bases["raw_loopback"])
+    }
+    limits["raw_loopback"]["vs"] = {
+        "memcpy": _ratio(limits["raw_loopback"]["gbps"], bases["memcpy"])
+    }
+    for name, record in report["peers"].items():
+        record["vs"] = {k: _ratio(record["gbps"], v) for k, v in bases.items() if k != name}
+    for paths in report["asyncwt"].values():
+        for record in paths.values():
+            record["vs"] = {k: _ratio(record["gbps"], v) for k, v in bases.items()}
+    for sweep in report["sweep"].values():
+        for row in sweep["rows"]:
+            row["vs"] = {k: _ratio(row["gbps"], bases[k]) for k in ("raw_loopback", "memcpy")}
+
+
+def _bar(
+    name: str, value: float | None, threshold: float, ok: bool | None, detail: str, **extra: Any
+) -> dict[str, Any]:
+    status = "N/A" if ok is None else "PASS" if ok else "FAIL"
+    return {
+        "bar": name,
+        "value": value,
+        "threshold": threshold,
+        "status": status,
+        "detail": detail,
+        **extra,
+    }
+
+
+def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's bars, one line each, for every backend measured."""
+    bars: list[dict[str, Any]] = []
+    model = report["meta"]["model"]["bytes"]
+    gib_note = (
+        ""
+        if 0.9 * 2**30 <= model <= 1.1 * 2**30
+        else f" [bar set for the 1 GiB model; this run: {model / MiB:.0f} MiB]"
+    )
+    raw = report["limits"]["raw_loopback"]
+    for name, paths in report["asyncwt"].items():
+        direct = paths["direct"]
+        tag = f"asyncwt {name}"
+        v = direct["vs"]["raw_loopback"]
+        bars.append(_bar(
+            f"{tag} end-to-end >= {BARS['vs_raw_loopback']}x raw loopback TCP",
+            v, BARS["vs_raw_loopback"], v is not None and v >= BARS["vs_raw_loopback"],
+            f"{direct['gbps']:.2f} vs {raw['gbps']:.2f} GB/s{gib_note}",
+        ))  # fmt: skip
+        if "naive" in report["peers"]:
+            v = direct["vs"]["naive"]
+            bars.append(_bar(
+                f"{tag} >= {BARS['vs_naive']}x naive per-tensor send",
+                v, BARS["vs_naive"], v is not None and v >= BARS["vs_naive"],
+                f"{direct['gbps']:.2f} vs {report['peers']['naive']['gbps']:.2f} GB/s",
+            ))  # fmt: skip
+        if report["peers"]:
+            ratios = {p: direct["vs"][p] for p in report["peers"]}
+            worst = min(ratios, key=lambda p: ratios[p] or 0.0)
+            v = ratios[worst]
+            bars.append(_bar(
+                f"{tag} faster than every peer approach",
+                v, BARS["vs_every_peer"], v is not None and v > BARS["vs_every_peer"],
+                "; ".join(f"{p} {r:.2f}x" for p, r in ratios.items() if r is not None)
+                + f" (closest: {worst})",
+            ))  # fmt: skip
+        overlap = report["overlap"].get(name)
+        if overlap:
+            v = overlap["total_vs_slowest"]
+            bars.append(_bar(
+                f"{tag} overlap: total <= {BARS['overlap_vs_slowest']}x slowest stage alone",
+                v, BARS["overlap_vs_slowest"], v <= BARS["overlap_vs_slowest"],
+                f"total {overlap['overlapped']['median_s']:.3f} s vs {overlap['slowest_stage']} alone "
+                f"{overlap['slowest_alone_s']:.3f} s (sum of stages {overlap['sum_of_stages_s']:.3f} s)",
+            ))  # fmt: skip
+        memory = report["memory"].get(name)
+        if memory:
+            for side in ("trainer", "worker"):
+                worst_path = max(("direct", "staged"), key=lambda p: memory[p][side]["extra_bytes"])
+                entry = memory[worst_path]
+                extra = entry[side]["extra_bytes"]
+                limit = entry["budget_bytes"] * (1 + MEMORY_SLACK) + MEMORY_FIXED_BYTES
+                bars.append(_bar(
+                    f"{tag} peak extra memory, {side} <= num_buffers x bucket_bytes + 10% + 8 MiB",
+                    extra / entry["budget_bytes"], limit / entry["budget_bytes"], extra <= limit,
+                    f"{extra / MiB:.1f} MiB ({worst_path} path; direct "
+                    f"{memory['direct'][side]['extra_bytes'] / MiB:.1f}, staged "
+                    f"{memory['staged'][side]['extra_bytes'] / MiB:.1f}) vs limit {limit / MiB:.1f} MiB; "
+                    f"{extra / memory['model_bytes']:.1%} of the model",
+                    unit="x budget",
+                ))  # fmt: skip
+        bit_exact = all(paths[p].get("bit_exact") for p in paths)
+        bit_exact = bit_exact and bool(overlap is None or overlap["overlapped"].get("bit_exact"))
+        bars.append(_bar(
+            f"{tag} rounds arrive bit-exact (worker checksum == trainer's)",
+            None, 1.0, bit_exact,
+            ", ".join(f"{p}: {paths[p].get('bit_exact')}" for p in paths),
+        ))  # fmt: skip
+    for name, error in report["meta"].get("backend_errors", {}).items():
+        bars.append(_bar(f"asyncwt {name} completes the benchmark", None, 1.0, False, error))
+    return bars
+
+
+# -- table ----------------------------------------------------------------------------
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:8.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "     -" if v is None else f"{v:6.2f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    model = meta["model"]
+    rounds = meta["settings"]["rounds"]
+    lines = [
+        "",
+        (
+            f"asyncwt bench: synthetic Llama, {model['bytes'] / MiB:.1f} MiB bf16 in {model['tensors']} tensors; "
+            f"median of {rounds['rounds']} rounds after {rounds['warmup']} warm-up; {meta['cpus']} CPUs; "
+            f"{meta.get('runtime_s', 0):.1f} s; load average {meta['loadavg_at_start'][0]:.2f} at start"
+        ),
+        "",
+        "TRANSFER (trainer -> worker, separate processes; ratios are throughput ratios)",
+        (
+            f"  {'approach':34} {'median s':>9} {'GB/s':>6} {'xraw':>6} {'xmemcpy':>7} {'xnaive':>6} "
+            f"{'trainer+MiB':>11} {'worker+MiB':>10} exact"
+        ),
+    ]
+    limits = report["limits"]
+    raw = limits["raw_loopback"]
+    lines.append(
+        f"  {'raw loopback TCP (' + raw['variant'] + ', ' + raw.get('taken', '') + ')':34} "
+        f"{raw['median_s']:9.3f} {raw['gbps']:6.2f} "
+        f"{_x(1.0)} {_x(raw['vs']['memcpy']):>7} {'':6} {'':11} {'':10}"
+    )
+    mem = limits["memcpy"]
+    lines.append(
+        f"  {'memcpy, 1 thread':34} {mem['median_s']:9.3f} {mem['gbps']:6.2f} {_x(mem['vs']['raw_loopback'])} "
+        f"{_x(1.0):>7}"
+    )
+    if "start" in raw:
+        lines.append(
+            f"  (raw loopback at the start {raw['start']['gbps']:.2f} GB/s, at the end "
+            f"{raw['end']['gbps']:.2f} GB/s, drift {raw['drift']:+.0%}: the better one counts)"
+        )
+
+    def row(title: str, r: dict[str, Any]) -> str:
+        vs = r["vs"]
+        return (
+            f"  {title:34} {r['median_s']:9.3f} {r['gbps']:6.2f} {_x(vs.get('raw_loopback'))} "
+            f"{_x(vs.get('memcpy')):>7} {_x(vs.get('naive', 1.0 if title.startswith('naive') else None))} "
+            f"{_mib(r['memory']['trainer']['extra_bytes']):>11} {_mib(r['memory']['worker']['extra_bytes']):>10} "
+            f"{'yes' if r.get('bit_exact') else 'NO'}"
+        )
+
+    for name, record in report["peers"].items():
+        lines.append(row(PEER_TITLES.get(name, name), record))
+    for backend, paths in report["asyncwt"].items():
+        for path, record in paths.items():
+            lines.append(row(f"asyncwt {backend} ({path})", record))
+    for backend, paths in report["asyncwt"].items():
+        for path, record in paths.items():
+            busy = " ".join(
+                f"{k} {v:.3f} s ({record['stage_busy_share'][k]:.0%})"
+                for k, v in record["stage_busy_s"].items()
+            )
+            cfg = record["config"]
+            lines.append(
+                f"  asyncwt {backend} ({path}) bucket {cfg['bucket_bytes'] / MiB:g} MiB x {cfg['num_buffers']}, "
+                f"{record['buckets']} buckets; stage busy: {busy}"
+            )
+
+    for backend, overlap in report["overlap"].items():
+        st = overlap["stage_alone_s"]
+        lines += [
+            "",
+            (
+                f"OVERLAP (asyncwt {backend}: gather {overlap['gather_s_per_tensor'] * 1e3:.2f} ms/tensor, "
+                f"transform {overlap['transform_s_per_bucket'] * 1e3:.2f} ms/bucket on {overlap['apply_threads']} threads)"
+            ),
+            (
+                f"  alone: gather {st['gather']:.3f} s | wire {st['wire']:.3f} s | transform {st['transform']:.3f} s "
+                f"| sum {overlap['sum_of_stages_s']:.3f} s"
+            ),
+            (
+                f"  together: {overlap['overlapped']['median_s']:.3f} s = {overlap['total_vs_slowest']:.2f}x the slowest "
+                f"({overlap['slowest_stage']}), {overlap['total_vs_sum']:.2f}x the sum"
+            ),
+            (
+                f"  with {overlap['more_buffers']['num_buffers']} buffers instead: "
+                f"{overlap['more_buffers']['median_s']:.3f} s = "
+                f"{overlap['more_buffers']['total_vs_slowest']:.2f}x the slowest"
+            ),
+        ]
+
+    for backend, memory in report["memory"].items():
+        lines += [
+            "",
+            f"MEMORY (asyncwt {backend}: peak extra RSS over warm-up + rounds, vs budget num_buffers x bucket_bytes)",
+        ]
+        for path in ("direct", "staged"):
+            entry = memory[path]
+            for side in ("trainer", "worker"):
+                s = entry[side]
+                lines.append(
+                    f"  {path:7} {side:8} {s['extra_bytes'] / MiB:8.1f} MiB = {s['vs_budget']:5.2f}x budget "
+                    f"({entry['budget_bytes'] / MiB:g} MiB), {s['vs_model']:6.1%} of model [{s['method']}]"
+                )
+
+    for backend, sweep in report["sweep"].items():
+        if not sweep["rows"]:
+            continue
+        lines += [
+            "",
+            f"SWEEP (asyncwt {backend})",
+            f"  {'mode':7} {'bucket':>10} {'bufs':>4} {'median s':>9} {'GB/s':>6} {'xraw':>6} {'trainer+MiB':>11} {'worker+MiB':>10}",
+        ]
+        for r in sweep["rows"]:
+            lines.append(
+                f"  {r['mode']:7} {_size(r['bucket_bytes']):>10} {r['num_buffers']:4d} {r['median_s']:9.3f} "
+                f"{r['gbps']:6.2f} {_x(r['vs']['raw_loopback'])} {_mib(r['trainer_extra_bytes']):>11} "
+                f"{_mib(r['worker_extra_bytes']):>10}"
+            )
+        for mode, pick in sweep["recommended"].items():
+            fastest = sweep["fastest"][mode]
+            lines.append(
+                f"  {mode}: fastest {_size(fastest['bucket_bytes'])} x {fastest['num_buffers']} "
+                f"({fastest['gbps']:.2f} GB/s); least memory within 5%: {_size(pick['bucket_bytes'])} x "
+                f"{pick['num_buffers']} ({pick['gbps']:.2f} GB/s)"
+            )
+
+    lines += ["", "BARS"]
+    for bar in report["bars"]:
+        lines.append(f"  {bar['status']:4}  {bar['bar']}: {_fmt_value(bar)} — {bar['detail']}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt_value(bar: dict[str, Any]) -> str:
+    if bar["value"] is None:
+        return "yes" if bar["status"] == "PASS" else "no"
+    unit = bar.get("unit", "x")
+    return f"{bar['value']:.2f}{unit if unit == 'x' else ' ' + unit}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / 1024:g} KiB"
+
+
+# -- files ----------------------------------------------------------------------------
+
+
+def write_json(report: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
+    """Throughput by approach and the overlap timeline, as a PNG; (path, message).
+
+    matplotlib is optional (the `bench` extra); without it no chart is drawn.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "chart skipped: matplotlib is not installed (pip install 'asyncwt[bench]')"
+
+    labels: list[str] = []
+    values: list[float] = []
+    colors: list[str] = []
+    limits = report["limits"]
+    for title, record, color in (
+        ("raw loopback TCP", limits["raw_loopback"], "#999999"),
+        ("memcpy (1 thread)", limits["memcpy"], "#bbbbbb"),
+    ):
+        labels.append(title)
+        values.append(record["gbps"])
+        colors.append(color)
+    for name, record in report["peers"].items():
+        labels.append(PEER_TITLES.get(name, name))
+        values.append(record["gbps"])
+        colors.append("#d98c5f")
+    for backend, paths in report["asyncwt"].items():
+        for path, record in paths.items():
+            labels.append(f"asyncwt {backend} ({path})")
+            values.append(record["gbps"])
+            colors.append("#3b7dd8")
+
+    overlaps = list(report["overlap"].items())
+    fig, axes = plt.subplots(
+        1 + len(overlaps), 1, figsize=(10, 4 + 3 * len(overlaps)), squeeze=False
+    )
+    ax = axes[0][0]
+    ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    raw = limits["raw_loopback"]["gbps"]
+    ax.axvline(raw, color="#555555", linestyle="--", linewidth=1)
+    for y, v in enumerate(values[::-1]):
+        ax.text(v, y, f" {v:.2f} ({v / raw:.2f}x raw)", va="center", fontsize=8)
+    model = report["meta"]["model"]["bytes"]
+    ax.set_xlabel("GB/s (median round, trainer -> worker process, model updated)")
+    ax.set_title(f"Throughput by approach, {model / MiB:.0f} MiB bf16 model")
+    ax.set_xlim(0, max(values) * 1.35)
+
+    for row, (backend, overlap) in enumerate(overlaps, start=1):
+        ax = axes[row][0]
+        timeline = overlap["timeline"]
+        lanes = [("gather (trainer)", timeline["gather"], "#6aa84f"),
+                 ("send (trainer)", timeline["send"], "#3b7dd8"),
+                 ("transform (worker)", timeline["transform"], "#d98c5f")]  # fmt: skip
+        for y, (title, events, color) in enumerate(lanes):
+            spans = [(a, max(b - a, 1e-4)) for _, a, b in events]
+            if spans:
+                ax.broken_barh(
+                    spans, (y - 0.35, 0.7), facecolors=color, edgecolor="white", linewidth=0.4
+                )
+        ax.set_yticks(range(len(lanes)), [t for t, _, _ in lanes])
+        ax.axvline(timeline["wall_s"], color="black", linewidth=1)
+        ax.axvline(overlap["slowest_alone_s"], color="#cc0000", linestyle="--", linewidth=1)
+        ax.set_xlabel(
+            f"seconds since send_weights (black: round end {timeline['wall_s']:.3f} s; "
+            f"red dashed: slowest stage alone, {overlap['slowest_stage']} {overlap['slowest_alone_s']:.3f} s)"
+        )
+        ax.set_title(f"Overlap timeline, asyncwt {backend} (median round)")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path, f"chart written to {path}"

@@ -1,0 +1,514 @@
+"""One benchmark run: every section, in order, into one JSON-ready report dict.
+
+Order: build the trainer's model → limits (memcpy, raw loopback) → peer approaches
+(naive, gloo, packed) → per asyncwt backend: the default configuration against a
+plain worker (the headline figure, bit-exactness checked), the staged path
+(every bucket packed and received into buffers, as from a GPU) and the wire-alone
+reference for the overlap test, the sweep, then the overlap test against a worker
+whose transform is slow. Every child process is stopped before its section ends.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._checksum import model_checksum
+from .._plan import TransferPlan
+from .._source import ModuleSource
+from .._worker import WeightTransferConfig
+from ._engines import BackendEntry, EngineConfig, TrainerJob, available_backends, run_trainer
+from ._limits import measure_memcpy, measure_raw_loopback
+from ._memory import rss_bytes
+from ._model import MODEL_ENV, LlamaShape, SyntheticLlama, fill_random
+from ._overlap import TRANSFORM_ENV, SlowSource, TransformConfig, transform_alone_s
+from ._peers import PEERS, measure_peer
+from ._procs import Child, start_asyncwt_worker
+from ._util import Rounds
+
+__all__ = ["PRESETS", "BenchSettings", "run_bench"]
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Preset:
+    model_mib: float
+    bucket_bytes: int
+    sweep_bucket_bytes: tuple[int, ...]
+    sweep_num_buffers: tuple[int, ...]
+
+
+PRESETS: dict[str, Preset] = {
+    "default": Preset(
+        model_mib=1024, bucket_bytes=64 * MiB,
+        sweep_bucket_bytes=(16 * MiB, 64 * MiB, 256 * MiB), sweep_num_buffers=(1, 2, 4),
+    ),
+    "quick": Preset(
+        model_mib=64, bucket_bytes=4 * MiB,
+        sweep_bucket_bytes=(1 * MiB, 4 * MiB, 16 * MiB), sweep_num_buffers=(1, 2, 4),
+    ),
+    "tiny": Preset(
+        model_mib=8, bucket_bytes=512 * KiB,
+        sweep_bucket_bytes=(256 * KiB, 1 * MiB), sweep_num_buffers=(1, 2),
+    ),
+}  # fmt: skip
+"""`default` is the issue's 1 GiB model with the library's default bucket (64 MiB);
+`quick` (64 MiB) is for CI-sized runs; `tiny` (8 MiB) is the test suite's smoke run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchSettings:
+    """Everything one run needs; `asyncwt._bench._cli` builds it from the command line."""
+
+    preset: str = "default"
+    """Name of the preset the other defaults came from."""
+    model_mib: float = 1024
+    """Target model size (bf16); the synthetic Llama comes within a layer of it."""
+    bucket_bytes: int = 64 * MiB
+    """asyncwt's bucket size for the headline, memory and overlap runs (and `packed`)."""
+    num_buffers: int = 2
+    """asyncwt's buffers per side for the same runs."""
+    rounds: Rounds = field(default_factory=Rounds)
+    out: Path = Path("bench-out")
+    apply_threads: int = WeightTransferConfig.apply_threads
+    """The worker's apply threads (the transform stage's parallelism)."""
+    gather_x: float = 1.0
+    """Overlap test: the simulated gather alone takes this multiple of the wire alone."""
+    transform_x: float = 1.0
+    """Overlap test: the worker transform alone takes this multiple of the wire alone."""
+    gather_ms_per_tensor: float | None = None
+    """Fixed gather time per tensor instead of `gather_x` (milliseconds)."""
+    transform_ms_per_bucket: float | None = None
+    """Fixed transform time per full bucket instead of `transform_x` (milliseconds)."""
+    sweep_bucket_bytes: tuple[int, ...] = (16 * MiB, 64 * MiB, 256 * MiB)
+    sweep_num_buffers: tuple[int, ...] = (1, 2, 4)
+    sweep: bool = True
+    peers: tuple[str, ...] = PEERS
+    backends: tuple[str, ...] | None = None
+    """asyncwt backends to run (None: every available one)."""
+    seed: int = 0
+    torch_threads: int = 1
+    """torch intra-op threads in every process (this one and each child); 0 keeps
+    torch's default. On a small machine two processes each running an OpenMP pool
+    oversubscribe the cores and OpenMP's spin-waiting stalls the other process's
+    socket I/O (measured here: 8 MiB packed-sequential 100x slower), so by default
+    every approach runs with one."""
+
+    def child_env(self) -> dict[str, str]:
+        """Environment added to every child process."""
+        return {} if self.torch_threads == 0 else {"OMP_NUM_THREADS": str(self.torch_threads)}
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> BenchSettings:
+        preset = PRESETS[name]
+        values: dict[str, Any] = {
+            "preset": name,
+            "model_mib": preset.model_mib,
+            "bucket_bytes": preset.bucket_bytes,
+            "sweep_bucket_bytes": preset.sweep_bucket_bytes,
+            "sweep_num_buffers": preset.sweep_num_buffers,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @property
+    def config(self) -> EngineConfig:
+        return EngineConfig(bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["rounds"] = asdict(self.rounds)
+        data["out"] = str(self.out)
+        return data
+
+
+Log = Callable[[str], None]
+
+
+def run_bench(settings: BenchSettings, log: Log = print) -> dict[str, Any]:
+    """Run every section; the report (see `_report.py` for the bars and the table)."""
+    threads = torch.get_num_threads()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    try:
+        return _run_bench(settings, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
+    started = time.perf_counter()
+    log_dir = settings.out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    shape = LlamaShape.for_mib(settings.model_mib)
+    model = SyntheticLlama(shape)
+    fill_random(model, settings.seed)
+    nbytes = model.nbytes
+    expected = model_checksum(model)
+    rounds = settings.rounds
+    log(
+        f"model: synthetic Llama {shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.num_tensors} tensors, {nbytes / MiB:.1f} MiB bf16; "
+        f"{rounds.rounds} timed rounds after {rounds.warmup} warm-up per figure"
+    )
+    report: dict[str, Any] = {
+        "meta": {
+            "settings": settings.as_dict(),
+            "model": {
+                **asdict(shape),
+                "bytes": nbytes,
+                "tensors": shape.num_tensors,
+                "dtype": "bfloat16",
+            },
+            "trainer_checksum": expected,
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "started_unix": time.time(),
+            "loadavg_at_start": os.getloadavg(),
+        },
+        "limits": {},
+        "peers": {},
+        "asyncwt": {},
+        "overlap": {},
+        "memory": {},
+        "sweep": {},
+    }
+
+    log("limits: single-thread memcpy")
+    report["limits"]["memcpy"] = measure_memcpy(model, rounds)
+    log("limits: raw loopback TCP")
+    raw_start = measure_raw_loopback(nbytes, rounds, log_dir, settings.child_env())
+    report["limits"]["raw_loopback"] = raw_start
+
+    for approach in settings.peers:
+        log(f"peer: {approach}")
+        report["peers"][approach] = measure_peer(
+            approach, model, shape, rounds,
+            bucket_bytes=settings.bucket_bytes, expected_checksum=expected, log_dir=log_dir,
+            env=settings.child_env(),
+        )  # fmt: skip
+
+    backends = available_backends(settings.backends)
+    report["meta"]["backends"] = [b.name for b in backends]
+    report["meta"]["backend_errors"] = {}
+    for backend in backends:
+        try:
+            _run_backend(backend, settings, model, shape, expected, report, log, log_dir)
+        except Exception as exc:  # one backend failing must not lose the others
+            if len(backends) == 1:
+                raise
+            log(f"asyncwt {backend.name}: FAILED, going on without it: {type(exc).__name__}: {exc}")
+            report["meta"]["backend_errors"][backend.name] = f"{type(exc).__name__}: {exc}"
+            for section in ("asyncwt", "overlap", "memory", "sweep"):
+                report[section].pop(backend.name, None)
+
+    # A shared machine drifts over minutes: measure the limit again and keep the
+    # better of the two, so that no ratio flatters asyncwt because the wire slowed.
+    log("limits: raw loopback TCP again (drift check)")
+    raw_end = measure_raw_loopback(nbytes, rounds, log_dir, settings.child_env())
+    best = raw_start if raw_start["gbps"] >= raw_end["gbps"] else raw_end
+    report["limits"]["raw_loopback"] = {
+        **best,
+        "taken": "start" if best is raw_start else "end",
+        "start": {k: raw_start[k] for k in ("median_s", "gbps", "rounds_s", "variant")},
+        "end": {k: raw_end[k] for k in ("median_s", "gbps", "rounds_s", "variant")},
+        "drift": raw_end["gbps"] / raw_start["gbps"] - 1,
+    }
+    report["meta"]["runtime_s"] = time.perf_counter() - started
+    report["meta"]["loadavg_at_end"] = os.getloadavg()
+    return report
+
+
+def _run_backend(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    expected: str,
+    report: dict[str, Any],
+    log: Log,
+    log_dir: Path,
+) -> None:
+    name = backend.name
+    env = {**settings.child_env(), MODEL_ENV: shape.to_json()}
+    default = settings.config
+    staged_default = EngineConfig(
+        bucket_bytes=default.bucket_bytes, num_buffers=default.num_buffers, zero_copy=False
+    )
+    transform = "asyncwt._bench._overlap:bench_transform"
+
+    def trainer(worker: Child, url: str, jobs: list[TrainerJob]) -> list[dict[str, Any]]:
+        checksum, records = run_trainer(
+            backend, url=url, worker=worker, shape=shape, seed=settings.seed,
+            rounds=settings.rounds, jobs=jobs, log_dir=log_dir, env=env,
+        )  # fmt: skip
+        if checksum != expected:
+            raise RuntimeError(
+                f"the trainer process built a different model (checksum {checksum[:16]}…, "
+                f"expected {expected[:16]}…); the synthetic fill should be deterministic"
+            )
+        return records
+
+    # 1. The default configuration against a plain worker (the headline), then the sweep.
+    worker, url = start_asyncwt_worker(
+        backend=name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
+        role=f"worker-{name}",
+    )  # fmt: skip
+    with worker:
+        jobs = [
+            TrainerJob(
+                label="direct",
+                config=default,
+                verify=True,
+                worker_baseline_bytes=rss_bytes(worker.pid),
+            )
+        ]
+        if settings.sweep:
+            jobs += [
+                TrainerJob(label="sweep direct", config=c) for c in _grid(settings, zero_copy=True)
+            ]
+        log(
+            f"asyncwt {name}: default configuration (direct landing), then {len(jobs) - 1} sweep runs, against {url}"
+        )
+        direct, *sweep_direct = trainer(worker, url, jobs)
+
+    # 2. The staged path: the trainer packs every bucket, the worker receives into
+    #    buffers and applies through an (instant) identity transform; then the wire
+    #    alone for the overlap test (zero-copy send, transform hook), then the sweep.
+    staged_env = {
+        **env,
+        TRANSFORM_ENV: TransformConfig(
+            s_per_bucket=0.0, bucket_bytes=default.bucket_bytes
+        ).to_json(),
+    }
+    worker, url = start_asyncwt_worker(
+        backend=name, log_dir=log_dir, env=staged_env, apply_threads=settings.apply_threads,
+        transform=transform, role=f"worker-{name}-staged",
+    )  # fmt: skip
+    with worker:
+        jobs = [
+            TrainerJob(
+                label="staged",
+                config=staged_default,
+                verify=True,
+                worker_baseline_bytes=rss_bytes(worker.pid),
+            ),
+            TrainerJob(label="wire alone", config=default, verify=True),
+        ]
+        if settings.sweep:
+            jobs += [
+                TrainerJob(label="sweep staged", config=c) for c in _grid(settings, zero_copy=False)
+            ]
+        log(
+            f"asyncwt {name}: staged path, wire-alone reference, then {len(jobs) - 2} sweep runs, against {url}"
+        )
+        staged, wire, *sweep_staged = trainer(worker, url, jobs)
+    direct["path"], staged["path"], wire["path"] = "direct", "staged", "transform-hook"
+
+    report["asyncwt"][name] = {"direct": direct, "staged": staged}
+    rows = [{"mode": "direct", **r} for r in sweep_direct] + [
+        {"mode": "staged", **r} for r in sweep_staged
+    ]
+    report["sweep"][name] = _summarize_sweep(rows)
+    report["memory"][name] = _memory_section(direct, staged, model)
+
+    # 3. Overlap: slow gather + wire + slow transform, against the slowest alone.
+    report["overlap"][name] = _overlap(
+        backend, settings, model, shape, wire, trainer, log, log_dir, env
+    )
+
+
+def _grid(settings: BenchSettings, *, zero_copy: bool) -> list[EngineConfig]:
+    return [
+        EngineConfig(bucket_bytes=b, num_buffers=n, zero_copy=zero_copy)
+        for b in settings.sweep_bucket_bytes
+        for n in settings.sweep_num_buffers
+    ]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / KiB:g} KiB"
+
+
+def _summarize_sweep(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every configuration, plus per mode the fastest and the recommended one.
+
+    Recommended: the least staging budget among configurations within 5% of the
+    fastest median (memory is the second thing users complain about).
+    """
+    slim = [
+        {
+            "mode": r["mode"],
+            "bucket_bytes": r["config"]["bucket_bytes"],
+            "num_buffers": r["config"]["num_buffers"],
+            "budget_bytes": r["config"]["budget_bytes"],
+            "median_s": r["median_s"],
+            "rounds_s": r["rounds_s"],
+            "gbps": r["gbps"],
+            "buckets": r["buckets"],
+            "stage_busy_s": r["stage_busy_s"],
+            "trainer_extra_bytes": r["memory"]["trainer"]["extra_bytes"],
+            "worker_extra_bytes": r["memory"]["worker"]["extra_bytes"],
+        }
+        for r in rows
+    ]
+    best: dict[str, Any] = {}
+    recommended: dict[str, Any] = {}
+    for mode in sorted({r["mode"] for r in slim}):
+        mine = [r for r in slim if r["mode"] == mode]
+        fastest = min(mine, key=lambda r: r["median_s"])
+        near = [r for r in mine if r["median_s"] <= fastest["median_s"] * 1.05]
+        pick = min(near, key=lambda r: (r["budget_bytes"], r["median_s"]))
+        best[mode] = {k: fastest[k] for k in ("bucket_bytes", "num_buffers", "median_s", "gbps")}
+        recommended[mode] = {
+            k: pick[k] for k in ("bucket_bytes", "num_buffers", "median_s", "gbps", "budget_bytes")
+        }
+    return {"rows": slim, "fastest": best, "recommended": recommended}
+
+
+def _memory_section(
+    direct: dict[str, Any], staged: dict[str, Any], model: torch.nn.Module
+) -> dict[str, Any]:
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out: dict[str, Any] = {"model_bytes": model_bytes}
+    for path, record in (("direct", direct), ("staged", staged)):
+        budget = record["config"]["budget_bytes"]
+        sides = {}
+        for side in ("trainer", "worker"):
+            extra = record["memory"][side]["extra_bytes"]
+            sides[side] = {
+                **record["memory"][side],
+                "vs_budget": extra / budget,
+                "vs_model": extra / model_bytes,
+            }
+        out[path] = {"budget_bytes": budget, "config": record["config"], **sides}
+    return out
+
+
+def _overlap(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    wire: dict[str, Any],
+    trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
+    log: Log,
+    log_dir: Path,
+    env: dict[str, str],
+) -> dict[str, Any]:
+    """Slow gather + wire + slow transform together vs the slowest of them alone.
+
+    By default each simulated stage alone is calibrated to the wire alone (the
+    hardest case for overlap: three equal stages); `--gather-x`/`--transform-x` or
+    fixed milliseconds change that.
+    """
+    rounds = settings.rounds
+    config = settings.config
+    plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
+    wire_s = wire["median_s"]
+    if settings.gather_ms_per_tensor is not None:
+        gather_delay = settings.gather_ms_per_tensor / 1000
+    else:
+        gather_delay = settings.gather_x * wire_s / shape.num_tensors
+    if settings.transform_ms_per_bucket is not None:
+        s_per_bucket = settings.transform_ms_per_bucket / 1000
+    else:
+        s_per_bucket = (
+            settings.transform_x
+            * wire_s
+            * settings.apply_threads
+            * config.bucket_bytes
+            / plan.total_bytes
+        )
+    transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
+    log(
+        f"overlap: gather {gather_delay * 1e3:.2f} ms/tensor, transform {s_per_bucket * 1e3:.2f} ms/bucket "
+        f"on {settings.apply_threads} apply thread(s)"
+    )
+
+    slow = SlowSource(model, gather_delay)
+
+    def gather_once() -> float:
+        start = time.perf_counter()
+        for _ in slow.iter_full():
+            pass
+        return time.perf_counter() - start
+
+    gather_alone = rounds.measure(gather_once, plan.total_bytes)
+    transform_alone = rounds.measure(
+        lambda: transform_alone_s(model, plan, transform, settings.apply_threads), plan.total_bytes
+    )
+
+    events_path = log_dir / f"transform-events-{backend.name}.txt"
+    events_path.unlink(missing_ok=True)
+    worker_transform = TransformConfig(
+        s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes, events_path=str(events_path)
+    )
+    worker, url = start_asyncwt_worker(
+        backend=backend.name, log_dir=log_dir, env={**env, TRANSFORM_ENV: worker_transform.to_json()},
+        apply_threads=settings.apply_threads, transform="asyncwt._bench._overlap:bench_transform",
+        role=f"worker-{backend.name}-overlap",
+    )  # fmt: skip
+    with worker:
+        log(f"overlap: slow gather -> {backend.name} -> slow transform, against {url}")
+        more = EngineConfig(
+            bucket_bytes=config.bucket_bytes,
+            num_buffers=config.num_buffers + settings.apply_threads,
+        )
+        jobs = [
+            TrainerJob(
+                label=label, config=c, gather_s_per_tensor=gather_delay, verify=True,
+                events_path=str(events_path),
+            )
+            for label, c in (("overlap", config), ("overlap, more buffers", more))
+        ]  # fmt: skip
+        total, more_buffers = trainer(worker, url, jobs)
+    stages = {
+        "gather": gather_alone["median_s"],
+        "wire": wire_s,
+        "transform": transform_alone["median_s"],
+    }
+    slowest = max(stages, key=lambda k: stages[k])
+    timed = total.pop("timelines")[rounds.warmup :]
+    median_round = sorted(timed, key=lambda t: t["wall_s"])[len(timed) // 2]
+    more_buffers.pop("timelines")
+    return {
+        "config": config.as_dict(),
+        "gather_s_per_tensor": gather_delay,
+        "transform_s_per_bucket": s_per_bucket,
+        "apply_threads": settings.apply_threads,
+        "gather_alone": gather_alone,
+        "wire_alone": {
+            k: wire[k] for k in ("median_s", "rounds_s", "gbps", "stage_busy_s", "config")
+        },
+        "transform_alone": transform_alone,
+        "overlapped": total,
+        "stage_alone_s": stages,
+        "slowest_stage": slowest,
+        "slowest_alone_s": stages[slowest],
+        "sum_of_stages_s": sum(stages.values()),
+        "total_vs_slowest": total["median_s"] / stages[slowest],
+        "total_vs_sum": total["median_s"] / sum(stages.values()),
+        "more_buffers": {
+            "num_buffers": more_buffers["config"]["num_buffers"],
+            "median_s": more_buffers["median_s"],
+            "rounds_s": more_buffers["rounds_s"],
+            "total_vs_slowest": more_buffers["median_s"] / stages[slowest],
+            "bit_exact": more_buffers.get("bit_exact"),
+            "memory": more_buffers["memory"],
+        },
+        "timeline": median_round,
+    }

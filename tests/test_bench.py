@@ -1,0 +1,162 @@
+"""The benchmark (`python -m asyncwt._bench`): a smoke run across real processes, no timing asserts.
+
+The `--tiny` run starts every child the full benchmark starts (raw sender, peer
+workers, `asyncwt worker` servers, trainer processes) on an 8 MiB model and checks
+that the report is complete and that every transfer arrived bit-exact. Speed is
+reported by the benchmark, never asserted here: CI machines vary.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from asyncwt._bench._cli import main
+from asyncwt._bench._memory import MemoryProbe
+from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worker_model_for
+from asyncwt._bench._run import _summarize_sweep
+from asyncwt._bench._util import Rounds
+from asyncwt._checksum import model_checksum
+
+SECTIONS = ["meta", "limits", "peers", "asyncwt", "overlap", "memory", "sweep", "bars", "chart"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncwt._bench", "--tiny", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads((out / "bench.json").read_text()), proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = tiny_run
+    assert list(report) == SECTIONS
+    assert set(report["limits"]) == {"memcpy", "raw_loopback"}
+    assert set(report["peers"]) == {"naive", "gloo", "packed"}
+    assert report["meta"]["backends"] == ["tcp"]
+    assert set(report["asyncwt"]["tcp"]) == {"direct", "staged"}
+    for section in ("overlap", "memory", "sweep"):
+        assert set(report[section]) == {"tcp"}
+    overlap = report["overlap"]["tcp"]
+    assert set(overlap["stage_alone_s"]) == {"gather", "wire", "transform"}
+    assert {"gather", "send", "transform"} <= set(overlap["timeline"])
+    assert set(report["memory"]["tcp"]) == {"model_bytes", "direct", "staged"}
+    assert {r["mode"] for r in report["sweep"]["tcp"]["rows"]} == {"direct", "staged"}
+
+
+@pytest.mark.timeout(600)
+def test_bench_tiny_every_transfer_is_bit_exact(tiny_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = tiny_run
+    expected = report["meta"]["trainer_checksum"]
+    for name, record in report["peers"].items():
+        assert record["bit_exact"], name
+    for path, record in report["asyncwt"]["tcp"].items():
+        assert record["bit_exact"], path
+        assert record["worker_checksum"] == expected, path
+    assert report["overlap"]["tcp"]["overlapped"]["bit_exact"]
+    assert report["overlap"]["tcp"]["more_buffers"]["bit_exact"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]) -> None:
+    report, stdout = tiny_run
+    direct = report["asyncwt"]["tcp"]["direct"]
+    assert set(direct["vs"]) == {"raw_loopback", "memcpy", "naive", "gloo", "packed"}
+    assert {"iterate", "pack", "send"} <= set(direct["stage_busy_s"])
+    assert len(direct["rounds_s"]) == 3 and len(direct["warmup_s"]) == 1
+    assert report["bars"] and all(b["status"] in {"PASS", "FAIL", "N/A"} for b in report["bars"])
+    bit_exact_bar = [b for b in report["bars"] if "bit-exact" in b["bar"]]
+    assert [b["status"] for b in bit_exact_bar] == ["PASS"]
+    assert "BARS" in stdout and "TRANSFER" in stdout and "SWEEP" in stdout
+    chart = report["chart"]
+    assert (chart["path"] is None) == ("skipped" in chart["note"])
+
+
+def test_llama_shape_for_mib_lands_near_the_target() -> None:
+    for mib in (8, 64, 1024):
+        shape = LlamaShape.for_mib(mib)
+        assert 0.85 < shape.nbytes / (mib << 20) < 1.15, (mib, shape)
+
+
+def test_llama_shape_round_trips_through_json() -> None:
+    shape = LlamaShape.for_mib(64)
+    assert LlamaShape.from_json(shape.to_json()) == shape
+    with pytest.raises(ValueError, match=r"^a LlamaShape should be a JSON object"):
+        LlamaShape.from_json('{"hidden": 1}')
+
+
+def test_synthetic_llama_has_llama_names_in_order() -> None:
+    shape = LlamaShape(hidden=32, intermediate=64, kv_dim=16, vocab=100, layers=2)
+    model = SyntheticLlama(shape)
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in shape.param_shapes()]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    assert "model.layers.1.mlp.down_proj.weight" in names
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.nbytes == shape.nbytes
+
+
+def test_fill_random_is_deterministic_and_differs_from_the_worker_model() -> None:
+    shape = LlamaShape(hidden=64, intermediate=128, kv_dim=16, vocab=300, layers=2)
+    a, b = SyntheticLlama(shape), SyntheticLlama(shape)
+    fill_random(a, seed=3)
+    fill_random(b, seed=3)
+    assert model_checksum(a) == model_checksum(b)
+    assert model_checksum(a) != model_checksum(worker_model_for(shape))
+
+
+def test_rounds_require_a_median_of_at_least_three() -> None:
+    with pytest.raises(ValueError, match=r"^rounds should be an int >= 3"):
+        Rounds(rounds=2)
+    record = Rounds(rounds=3, warmup=1).measure(iter([4.0, 1.0, 3.0, 2.0]).__next__, 10**9)
+    assert record["warmup_s"] == [4.0] and record["median_s"] == 2.0 and record["gbps"] == 0.5
+
+
+def test_cli_rejects_fewer_than_three_rounds() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny", "--rounds", "2"])
+    assert exc.value.code == 2
+
+
+def test_memory_probe_sees_a_touched_allocation() -> None:
+    probe = MemoryProbe()
+    probe.start()
+    buffer = torch.ones(32 << 20, dtype=torch.uint8)
+    window = probe.stop()
+    del buffer
+    assert window.extra_bytes >= 30 << 20
+
+
+def test_sweep_recommends_least_memory_within_five_percent_of_fastest() -> None:
+    def row(bucket: int, buffers: int, median: float) -> dict[str, Any]:
+        return {
+            "mode": "direct",
+            "config": {
+                "bucket_bytes": bucket,
+                "num_buffers": buffers,
+                "budget_bytes": bucket * buffers,
+            },
+            "median_s": median,
+            "rounds_s": [median] * 3,
+            "gbps": 1 / median,
+            "buckets": 1,
+            "stage_busy_s": {},
+            "memory": {"trainer": {"extra_bytes": 0}, "worker": {"extra_bytes": 0}},
+        }
+
+    summary = _summarize_sweep([row(64, 4, 1.00), row(16, 2, 1.04), row(4, 1, 1.50)])
+    assert summary["fastest"]["direct"]["bucket_bytes"] == 64
+    assert summary["recommended"]["direct"]["bucket_bytes"] == 16
