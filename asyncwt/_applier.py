@@ -14,6 +14,7 @@ received byte is copied once, by the kernel.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,15 +34,25 @@ Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
 @dataclass
 class ModelTarget:
-    """How received parameters reach one model, resolved once per plan and model."""
+    """How received parameters reach one model, resolved once per plan and model.
+
+    Unstaged, `params` are the model's own parameters: a round writes into the live
+    weights as it arrives. Staged (`resolve(..., staged=True)`), `params` are a
+    shadow copy that the round fills, and `commit()` moves a completely received
+    round into the model in one step at `finish_weight_update`; a round that fails
+    before that leaves the model as it was.
+    """
 
     model: torch.nn.Module
     plan: TransferPlan
     transform: Transform | None
     load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] | None
     params: dict[str, torch.Tensor]
+    """Where received parameters are written: the model's own, or the shadow copy."""
     direct: tuple[bool, ...]
-    """Per plan parameter: whether its bytes are received straight into the model."""
+    """Per plan parameter: whether its bytes are received straight into `params`."""
+    commit: Callable[[], None] | None = None
+    """Staged only: moves the shadow copy into the model (None when unstaged)."""
 
     @classmethod
     def resolve(
@@ -51,6 +62,7 @@ class ModelTarget:
         transform: Transform | None,
         *,
         in_place: bool = True,
+        staged: bool = False,
     ) -> ModelTarget:
         """Match `plan` against `model`; a parameter it cannot take is a `ValueError`.
 
@@ -58,12 +70,19 @@ class ModelTarget:
         nothing is checked up front; otherwise every plan parameter must exist in
         `named_parameters()` with the same shape. `in_place=False` is for transports
         whose bytes arrive in their own memory (shared memory, collectives).
+
+        `staged=True` allocates the shadow copy now: one extra copy of every plan
+        parameter, in the model's dtype and on its device (for a model with
+        `load_weights`, in the wire dtype on the CPU, and `transform` and
+        `load_weights` then run at commit).
         """
         load = getattr(model, "load_weights", None)
-        params = dict(model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
         if callable(load):
+            if staged:
+                return cls._staged_loader(model, plan, transform, load, in_place=in_place)
             return cls(model, plan, transform, load, params, (False,) * len(plan.params))
-        direct = []
+        live: dict[str, torch.Tensor] = {}
         for meta in plan.params:
             param = params.get(meta.name)
             if param is None:
@@ -76,17 +95,59 @@ class ModelTarget:
                     f"parameter {meta.name!r}: the worker's shape is {tuple(param.shape)}, "
                     f"the trainer sends {meta.shape}"
                 )
-            direct.append(
-                in_place
-                and transform is None
-                and param.device.type == "cpu"
-                and param.dtype == meta.dtype
-                and param.is_contiguous()
-            )
-        return cls(model, plan, transform, None, params, tuple(direct))
+            live[meta.name] = param
+        commit = None
+        if staged:
+            shadow = {
+                name: torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                for name, p in live.items()
+            }
+
+            def commit() -> None:
+                with torch.no_grad():
+                    for name, param in live.items():
+                        param.data.copy_(shadow[name])
+
+            params = shadow
+        direct = tuple(
+            in_place
+            and transform is None
+            and params[meta.name].device.type == "cpu"
+            and params[meta.name].dtype == meta.dtype
+            and params[meta.name].is_contiguous()
+            for meta in plan.params
+        )
+        return cls(model, plan, transform, None, params, direct, commit)
+
+    @classmethod
+    def _staged_loader(
+        cls,
+        model: torch.nn.Module,
+        plan: TransferPlan,
+        transform: Transform | None,
+        load: Callable[[list[tuple[str, torch.Tensor]]], object],
+        *,
+        in_place: bool,
+    ) -> ModelTarget:
+        """Staged target of a `load_weights` model: the round lands in wire-format
+        tensors; transform and `load_weights` run on all of them at commit."""
+        shadow = {
+            meta.name: torch.empty(meta.shape, dtype=meta.dtype) for meta in plan.params
+        }
+
+        def commit() -> None:
+            ready = [
+                (name, transform(name, t) if transform is not None else t)
+                for name, t in shadow.items()
+            ]
+            with torch.no_grad():
+                load(ready)
+
+        direct = (in_place,) * len(plan.params)
+        return cls(model, plan, None, None, shadow, direct, commit)
 
     def landing_view(self, index: int) -> memoryview:
-        """The bytes of plan parameter `index` inside the model (direct landing)."""
+        """The bytes of plan parameter `index` where it is applied (direct landing)."""
         return byte_view(self.params[self.plan.params[index].name].data)
 
 
@@ -97,6 +158,8 @@ class DeferredApplier:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="asyncwt-apply")
         self._lock = threading.Lock()
         self._futures: list[Future[None]] = []
+        self._jobs: list[tuple[int, Bucket, TransferPlan]] = []
+        """(round, bucket, plan) of each entry of `_futures`, for error messages."""
         self._error: ApplyError | None = None
         self._partial: dict[int, tuple[torch.Tensor, int]] = {}
 
@@ -109,25 +172,65 @@ class DeferredApplier:
         release: Callable[[], None],
     ) -> None:
         """Queue `bucket` (received into `buffer`) for applying; `release` frees the buffer."""
-        future = self._executor.submit(self._apply, target, round_id, bucket, buffer, release)
         with self._lock:
+            future = self._executor.submit(self._apply, target, round_id, bucket, buffer, release)
             self._futures.append(future)
+            self._jobs.append((round_id, bucket, target.plan))
 
-    def drain(self) -> None:
-        """Wait for every queued bucket; raise the first error (once), then reset."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for every queued bucket; whether all are done."""
         with self._lock:
-            futures, self._futures = self._futures, []
-        for future in futures:
-            future.result()
+            futures = list(self._futures)
+        _, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        return not not_done
+
+    def stuck_error(self, timeout: float, when: str) -> ApplyError:
+        """The error for buckets still unapplied after `timeout` seconds, naming the first."""
         with self._lock:
+            pending = [(f, job) for f, job in zip(self._futures, self._jobs) if not f.done()]
+        if not pending:
+            return ApplyError(f"background apply did not finish within drain_timeout={timeout}s")
+        round_id, bucket, plan = pending[0][1]
+        names = [plan.params[s.param].name for s in bucket.slices]
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        return ApplyError(
+            f"round {round_id}, bucket {bucket.index} (parameters {shown}): background apply "
+            f"did not finish within drain_timeout={timeout}s {when} ({len(pending)} bucket(s) "
+            f"unapplied): a transform or load_weights that never returns? The weights are "
+            f"incomplete and the round's version is not published; once the apply threads "
+            f"return, a new round applies cleanly (raise drain_timeout if applying is slow)"
+        )
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every queued bucket; raise the first error (once), then reset.
+
+        With a `timeout`, buckets still unapplied after it raise `ApplyError` naming
+        the first one; they stay queued (a later drain waits for them again).
+        """
+        if not self.wait(timeout):
+            assert timeout is not None
+            raise self.stuck_error(timeout, "while draining")
+        with self._lock:
+            done = [f.done() for f in self._futures]
+            self._futures = [f for f, d in zip(self._futures, done) if not d]
+            self._jobs = [j for j, d in zip(self._jobs, done) if not d]
             error, self._error = self._error, None
-            self._partial.clear()
+            if not self._futures:
+                self._partial.clear()
         if error is not None:
             raise error
 
-    def shutdown(self) -> None:
-        """Finish queued work and stop the threads."""
-        self._executor.shutdown(wait=True)
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finish queued work and stop the threads.
+
+        With a `timeout`, stop waiting after it: an apply still running (a transform
+        that never returns) keeps its thread until it returns.
+        """
+        if timeout is None:
+            self._executor.shutdown(wait=True)
+            return
+        self.wait(timeout)
+        self._executor.shutdown(wait=False)
 
     def _apply(
         self,

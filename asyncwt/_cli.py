@@ -84,6 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loading, e.g. a cast or a quantiser"
         ),
     )
+    worker.add_argument(
+        "--staged",
+        action="store_true",
+        help=(
+            "receive each round into a shadow copy of the weights and move it into the "
+            "model only when the round completed: a failed round leaves the previous "
+            "weights intact (costs one extra copy of the weights)"
+        ),
+    )
     worker.set_defaults(run=_worker_command)
 
     demo = commands.add_parser(
@@ -93,6 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=5, help="training steps (default %(default)s)")
     demo.set_defaults(run=_demo_command)
 
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark weight transfer across processes (asyncwt bench --help)",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench_command)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own options (argparse would not pass `--help` through).
+        return _bench_command(argparse.Namespace(bench_args=argv[1:]), parser)
     args = parser.parse_args(argv)
     run: Command = args.run
     return run(args, parser)
@@ -104,6 +125,13 @@ def _demo_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from ._demo import main as demo_main
 
     return demo_main(args.steps)
+
+
+def _bench_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._bench import main as bench_main
+
+    result: int = bench_main(args.bench_args)
+    return result
 
 
 def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -121,6 +149,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             backend=args.backend,
             apply_threads=args.apply_threads,
             transform=transform,  # type: ignore[arg-type]  # checked callable; signature is the user's
+            staged=args.staged,
         )
     except ValueError as exc:
         parser.error(str(exc))

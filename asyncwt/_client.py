@@ -79,13 +79,15 @@ async def call_client(client: object, method: str, *args: Any) -> None:
 
     A synchronous client call may block for a whole round (`update_weights` returns
     when the worker has received everything), so it must never run on the loop.
-    Cancellation: a coroutine is cancelled; a thread is waited for (it cannot be
-    interrupted), so the caller must make the remote side return (abort the round).
+    Cancellation: a coroutine is cancelled; a thread cannot be interrupted, so it is
+    abandoned: the cancelled caller returns at once and the thread finishes in the
+    background, its result dropped. The caller should still make the remote side
+    return (abort the round), or the thread lingers until the client's own timeout.
     """
     bound = getattr(client, method)
     if inspect.iscoroutinefunction(bound):
         await bound(*args)
         return
-    result = await anyio.to_thread.run_sync(functools.partial(bound, *args))
+    result = await anyio.to_thread.run_sync(functools.partial(bound, *args), abandon_on_cancel=True)
     if inspect.isawaitable(result):
         await result

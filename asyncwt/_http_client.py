@@ -127,8 +127,10 @@ class HttpClient:
     async def weights_status(self) -> list[dict[str, Any]]:
         """GET `/weights_status` from every worker, concurrently, in `base_urls` order.
 
-        Each dict holds `weight_version`, `checksum` (see `model_checksum`) and
-        `backend`. Cancellation: the requests are abandoned; nothing changes remotely.
+        Each dict holds `weight_version` (the last round that completed),
+        `weights_incomplete` (whether a failed round left the model half-updated),
+        `checksum` (see `model_checksum`), `backend` and `initialized`. Cancellation:
+        the requests are abandoned; nothing changes remotely.
         """
         results: list[dict[str, Any]] = [{} for _ in self.base_urls]
 

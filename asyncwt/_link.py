@@ -14,8 +14,9 @@ import logging
 import secrets
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -75,6 +76,8 @@ class LinkSettings:
     connect_timeout: float
     send_timeout: float
     ready_timeout: float
+    max_pending_handshakes: int = 16
+    handshake_timeout: float = 10.0
 
 
 @dataclass(eq=False)
@@ -142,23 +145,41 @@ class TrainerLinks:
         self.peers = peers
 
     async def _accept(self, listener: socket.socket, peers: list[Peer]) -> None:
+        """Accept connections and authenticate each in its own task.
+
+        At most `max_pending_handshakes` handshakes run at once; while that many are
+        in flight the listener is not read, so further connections wait in the
+        kernel's backlog instead of costing this process a descriptor and a task each.
+        """
         loop = asyncio.get_running_loop()
+        slots = anyio.Semaphore(self.settings.max_pending_handshakes)
         async with anyio.create_task_group() as tg:
             while True:
-                sock, address = await loop.sock_accept(listener)
-                sock.setblocking(False)
-                if sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                tg.start_soon(self._handshake, sock, f"{address[0]}:{address[1]}", peers)
+                await slots.acquire()
+                try:
+                    sock, address = await loop.sock_accept(listener)
+                except BaseException:
+                    slots.release()
+                    raise
+                tg.start_soon(self._handshake, sock, f"{address[0]}:{address[1]}", peers, slots)
 
-    async def _handshake(self, sock: socket.socket, address: str, peers: list[Peer]) -> None:
-        """Authenticate one worker; a failure refuses it without stopping init."""
+    async def _handshake(
+        self, sock: socket.socket, address: str, peers: list[Peer], slots: anyio.Semaphore
+    ) -> None:
+        """Authenticate one worker; a failure refuses it without stopping init.
+
+        Bounded by `handshake_timeout`; every outcome other than admission closes the
+        connection. Never raises: a misbehaving peer must not end the rendezvous.
+        """
         loop = asyncio.get_running_loop()
         s = self.settings
         digest = bytes.fromhex(self.plan.digest)
-        registered = False
+        registered = answered = False
         try:
-            with anyio.fail_after(s.connect_timeout):
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with anyio.fail_after(min(s.handshake_timeout, s.connect_timeout)):
                 worker_nonce, worker_digest = unpack_hello(await async_recv_exact(sock, HELLO_SIZE))
                 trainer_nonce = secrets.token_bytes(32)
                 challenge = pack_challenge(s.token, worker_nonce, trainer_nonce, digest)
@@ -172,14 +193,20 @@ class TrainerLinks:
                     status = HandshakeStatus.FULL
                 else:
                     status = HandshakeStatus.OK
-                    peers.append(Peer(sock, address))
+                    peer = Peer(sock, address)
+                    peers.append(peer)  # before the await: concurrent handshakes count it
                     registered = True
                 await loop.sock_sendall(sock, pack_result(status))
                 if status != HandshakeStatus.OK:
                     logger.warning("asyncwt: refused worker %s: %s", address, status.name)
+                answered = True
         except (TimeoutError, OSError, AsyncwtError) as exc:
             logger.warning("asyncwt: handshake with %s failed: %r", address, exc)
         finally:
+            slots.release()
+            if registered and not answered:  # failed or cancelled before the worker knew
+                peers.remove(peer)
+                registered = False
             if not registered:
                 sock.close()
 
@@ -193,7 +220,7 @@ class TrainerLinks:
                     f"call trainer_init again to reconnect"
                 )
 
-    async def each(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    async def each(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         """Run `fn(peer, *args)` for every peer concurrently."""
         with single_error():
             async with anyio.create_task_group() as tg:
@@ -236,16 +263,44 @@ class TrainerLinks:
         self.round_id = round_id
         await self.each(self._wait_ready_one, round_id, on_release)
 
+    def check_from_worker(self, peer: Peer, frame: Frame) -> Frame:
+        """Validate a worker → trainer frame (READY, RELEASE): they carry no payload."""
+        if frame.kind not in (FrameKind.READY, FrameKind.RELEASE):
+            raise self.protocol_error(peer, f"sent a {frame.kind.name} frame, which only the trainer sends")
+        if frame.nbytes != 0:
+            raise self.protocol_error(
+                peer, f"sent a {frame.kind.name} frame announcing {frame.nbytes} payload bytes; it has none"
+            )
+        if frame.digest != self.digest:
+            raise self.protocol_error(
+                peer, f"sent a {frame.kind.name} frame for another plan ({frame.digest.hex()})"
+            )
+        if frame.round_id > self.round_id:
+            raise self.protocol_error(
+                peer, f"sent {frame.kind.name} for round {frame.round_id}, ahead of this trainer"
+            )
+        if frame.kind == FrameKind.RELEASE and frame.index >= len(self.plan.buckets):
+            raise self.protocol_error(
+                peer, f"released bucket {frame.index}; the plan has {len(self.plan.buckets)}"
+            )
+        if frame.kind == FrameKind.READY and (frame.index or frame.slot):
+            raise self.protocol_error(
+                peer, f"sent READY with bucket {frame.index} and slot {frame.slot}; both should be 0"
+            )
+        return frame
+
     async def read_frame(self, peer: Peer, timeout: float, waiting_for: str) -> Frame:
-        """Read one frame from `peer`, or break the connection trying."""
+        """Read and validate one frame from `peer`, or break the connection trying."""
         try:
             with anyio.fail_after(timeout):
-                return Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+                frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+            return self.check_from_worker(peer, frame)
         except TimeoutError:
             peer.close(f"did not send {waiting_for}")
             raise TransferTimeoutError(
                 f"round {self.round_id}: worker {peer.address} did not send {waiting_for} "
-                f"within {timeout}s"
+                f"within {timeout}s; its connection is closed: call trainer_init again to "
+                f"reconnect"
             ) from None
         except TransferError as exc:
             peer.close(str(exc))
@@ -259,23 +314,22 @@ class TrainerLinks:
             with anyio.fail_after(timeout):
                 while True:
                     frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+                    self.check_from_worker(peer, frame)
                     if frame.kind == FrameKind.RELEASE and on_release is not None:
                         on_release(peer, frame)
                         continue
-                    if frame.kind != FrameKind.READY or frame.round_id > round_id:
-                        raise ProtocolError(
-                            f"worker {peer.address} sent {frame.kind.name} for round "
-                            f"{frame.round_id} while the trainer waited for READY {round_id}"
+                    if frame.kind != FrameKind.READY:
+                        raise self.protocol_error(
+                            peer, f"sent {frame.kind.name} while the trainer waited for READY"
                         )
                     if frame.round_id == round_id:
-                        if frame.digest != self.digest:
-                            raise ProtocolError(f"worker {peer.address} is READY for another plan")
                         return
         except TimeoutError:
             peer.close("did not start receiving")
             raise TransferTimeoutError(
                 f"round {round_id}: worker {peer.address} did not start receiving within "
-                f"ready_timeout={timeout}s"
+                f"ready_timeout={timeout}s (is its update_weights call running?); its "
+                f"connection is closed: call trainer_init again to reconnect"
             ) from None
         except TransferError as exc:
             peer.close(str(exc))
@@ -292,16 +346,24 @@ class TrainerLinks:
         await self.each(self.send_header, end, "the end of the round")
 
     async def abort_round(self, reason: str) -> None:
-        """Tell every worker the round is off; failures here are logged, not raised."""
+        """Tell every worker the round is off, concurrently; failures are logged, not raised.
+
+        Each send is bounded by `send_timeout` (a worker that does not take it has its
+        connection closed, which ends its round too).
+        """
         text = reason.encode("utf-8", "replace")[:ABORT_REASON_MAX]
         header = self.frame(FrameKind.ABORT, nbytes=len(text))
-        for peer in self.peers:
-            if peer.broken is not None:
-                continue
+
+        async def abort_one(peer: Peer) -> None:
             try:
                 await self.send_frame(peer, [memoryview(header.pack()), memoryview(text)], "abort")
             except AsyncwtError as exc:
                 logger.warning("could not abort round %d on %s: %s", self.round_id, peer.address, exc)
+
+        async with anyio.create_task_group() as tg:
+            for peer in self.peers:
+                if peer.broken is None:
+                    tg.start_soon(abort_one, peer)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -311,12 +373,26 @@ class TrainerLinks:
 def connect_link(
     host: str, port: int, token: str, plan: TransferPlan, timeout: float
 ) -> socket.socket:
-    """Worker side: connect to the trainer and pass the handshake; a blocking socket."""
+    """Worker side: connect to the trainer and pass the handshake; a blocking socket.
+
+    The connection and each handshake read or write are bounded by `timeout`.
+    Raises `AuthenticationError` when the trainer does not know the token (or refuses
+    ours), `PlanMismatchError` when its plan differs, `TransferTimeoutError` on a
+    timeout and `TransferError` when the connection fails.
+    """
     digest = bytes.fromhex(plan.digest)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError as exc:
+        raise TransferTimeoutError(
+            f"could not connect to the trainer at {host}:{port} within connect_timeout="
+            f"{timeout}s; check that the trainer's listener is reachable from this worker"
+        ) from exc
     except OSError as exc:
-        raise TransferError(f"could not connect to the trainer at {host}:{port}: {exc}") from exc
+        raise TransferError(
+            f"could not connect to the trainer at {host}:{port}: {exc}; check that the "
+            f"trainer's trainer_init is running and its host is reachable"
+        ) from exc
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = secrets.token_bytes(32)
@@ -329,6 +405,9 @@ def connect_link(
         raise TransferTimeoutError(
             f"handshake with the trainer at {host}:{port} timed out after {timeout}s"
         ) from exc
+    except OSError as exc:
+        sock.close()
+        raise TransferError(f"handshake with the trainer at {host}:{port} failed: {exc}") from exc
     except BaseException:
         sock.close()
         raise
@@ -345,14 +424,26 @@ def read_abort_reason(sock: socket.socket, frame: Frame) -> str:
 
 
 class WorkerLink:
-    """The worker's end of the link: announces rounds, reads and validates frames."""
+    """The worker's end of the link: announces rounds, reads and validates frames.
 
-    def __init__(self, sock: socket.socket, plan: TransferPlan, recv_timeout: float) -> None:
+    `slots` is how many values a BUCKET header's `slot` may take (the shared ring's
+    size for `"shm"`, `num_buffers` for `"torch_dist"`, 1 for `"tcp"`): every field
+    of every header is checked before anything it announces is read.
+    """
+
+    def __init__(
+        self, sock: socket.socket, plan: TransferPlan, recv_timeout: float, *, slots: int = 1
+    ) -> None:
         self.sock = sock
         self.plan = plan
         self.recv_timeout = recv_timeout
+        self.slots = slots
         self.digest = digest_prefix(plan.digest)
         self.broken = False
+        self.bucket: int | None = None
+        """The bucket being received (for error messages), or None between buckets."""
+        self.next_bucket = 0
+        """The bucket whose header comes next (for error messages)."""
         self._send_lock = threading.Lock()
 
     def send(self, frame: Frame) -> None:
@@ -372,27 +463,37 @@ class WorkerLink:
         """
         plan = self.plan
         self.sock.settimeout(self.recv_timeout)
+        self.bucket, self.next_bucket = None, 0
         self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0))
         if after_ready is not None:
             after_ready()
         expected = 0
         while True:
+            self.bucket, self.next_bucket = None, expected
             frame = Frame.unpack(recv_exact(self.sock, FRAME_SIZE))
             if frame.kind == FrameKind.ABORT:
                 reason = read_abort_reason(self.sock, frame)
                 if frame.round_id < round_id:
                     continue  # left over from a round this worker never joined
-                raise TransferAbortedError(f"round {round_id}: the trainer aborted the round: {reason}")
+                raise TransferAbortedError(
+                    f"round {round_id}: the trainer aborted the round after {expected} of "
+                    f"{len(plan.buckets)} buckets: {reason}"
+                )
             if frame.round_id != round_id or frame.digest != self.digest:
                 raise ProtocolError(
                     f"round {round_id}: got a {frame.kind.name} frame for round {frame.round_id} "
-                    f"(plan {frame.digest.hex()})"
+                    f"(plan {frame.digest.hex()}, this worker's is {self.digest.hex()})"
                 )
             if frame.kind == FrameKind.END:
                 if frame.index != len(plan.buckets) or expected != len(plan.buckets):
                     raise ProtocolError(
                         f"round {round_id}: END after {expected} buckets, the plan has "
                         f"{len(plan.buckets)} (END says {frame.index})"
+                    )
+                if frame.nbytes != 0 or frame.slot != 0:
+                    raise ProtocolError(
+                        f"round {round_id}: END should carry nothing, its header announces "
+                        f"{frame.nbytes} bytes in slot {frame.slot}"
                     )
                 return
             if frame.kind != FrameKind.BUCKET:
@@ -407,6 +508,12 @@ class WorkerLink:
                     f"round {round_id}: bucket {expected} should carry {bucket.payload_bytes} "
                     f"bytes, the header says {frame.nbytes}"
                 )
+            if frame.slot >= self.slots:
+                raise ProtocolError(
+                    f"round {round_id}: bucket {expected} names slot {frame.slot}, there "
+                    f"are {self.slots}"
+                )
+            self.bucket = expected
             yield frame
             expected += 1
 
@@ -422,6 +529,9 @@ class WorkerLink:
         self.sock.close()
 
 
+_RECONNECT = "the connection is closed: a new trainer_init (init_weight_transfer_engine) reconnects"
+
+
 class _LinkGuard:
     def __init__(self, link: WorkerLink, round_id: int) -> None:
         self.link = link
@@ -430,14 +540,30 @@ class _LinkGuard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def _position(self) -> str:
+        link = self.link
+        if link.bucket is not None:
+            return f"bucket {link.bucket}"
+        if link.next_bucket >= len(link.plan.buckets):
+            return "waiting for the end of the round"
+        return f"waiting for the header of bucket {link.next_bucket}"
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is None or isinstance(exc, TransferAbortedError):
             return  # an abort arrives at a frame boundary: the stream stays in step
         self.link.close()
+        where = f"round {self.round_id}, {self._position()}"
         if isinstance(exc, TimeoutError):
             raise TransferTimeoutError(
-                f"round {self.round_id}: nothing from the trainer for recv_timeout="
-                f"{self.link.recv_timeout}s; the connection is closed, init again to reconnect"
+                f"{where}: nothing from the trainer for recv_timeout={self.link.recv_timeout}s; "
+                f"{_RECONNECT}"
             ) from exc
         if isinstance(exc, OSError):
-            raise TransferError(f"round {self.round_id}: the data connection failed: {exc}") from exc
+            raise TransferError(f"{where}: the data connection failed: {exc}; {_RECONNECT}") from exc
+        if isinstance(exc, TransferError) and not str(exc).startswith("round "):
+            raise type(exc)(f"{where}: {exc}; {_RECONNECT}") from exc

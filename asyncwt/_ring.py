@@ -67,8 +67,11 @@ class RingSender(SenderTransport):
         return self.buffers[self.bound[slot]]
 
     def _on_release(self, peer: Peer, frame: Frame) -> None:
-        if 0 <= frame.slot < len(self.pending):
-            self.pending[frame.slot].discard(peer)
+        if frame.slot >= len(self.pending):
+            raise self.links.protocol_error(
+                peer, f"released ring slot {frame.slot}; there are {len(self.pending)}"
+            )
+        self.pending[frame.slot].discard(peer)
 
     async def reclaim(self, slot: int) -> None:
         """Bind pipeline slot `slot` to a ring slot that no worker reads any more.
@@ -86,10 +89,13 @@ class RingSender(SenderTransport):
                     return
             peer = next(p for ring in range(len(self.pending)) for p in self.pending[ring])
             frame = await self.links.read_frame(peer, self.release_timeout, "a ring-slot release")
-            if frame.kind != FrameKind.RELEASE:
-                peer.close(f"sent {frame.kind.name} instead of RELEASE")
-                raise self.links.protocol_error(peer, f"sent {frame.kind.name} instead of RELEASE")
-            self._on_release(peer, frame)
+            try:
+                if frame.kind != FrameKind.RELEASE:
+                    raise self.links.protocol_error(peer, f"sent {frame.kind.name} instead of RELEASE")
+                self._on_release(peer, frame)
+            except ProtocolError as exc:
+                peer.close(str(exc))
+                raise
 
     async def begin_round(self, round_id: int) -> None:
         self.bound.clear()  # bindings of an aborted round are void
@@ -138,7 +144,7 @@ class RingReceiver(ReceiverTransport):
         except BaseException:
             self.close()
             raise
-        self.link = WorkerLink(sock, self.plan, info.recv_timeout)
+        self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=len(self.buffers))
 
     @property
     def usable(self) -> bool:

@@ -7,13 +7,20 @@ Routes (every answer is JSON; an error is `{"error": message}`, never a stack tr
     POST /update_weights               {"update_info": {...}}        200 | 400 | 409 | 500
     POST /finish_weight_update         {"weight_version": str|null}  200 | 400 | 409 | 500
     POST /shutdown_weight_transfer_engine  {}                        200 | 400 | 500
-    GET  /weights_status   -> {"weight_version", "checksum", "backend", "initialized"}
+    GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
+                               "backend", "initialized"}
 
 400: the body is not a JSON object, has unknown keys or values of the wrong type, or
 the engine rejected the info (`ValueError`/`TypeError` from `parse_*_info`). 409: the
-call needs an initialised transfer engine (init it first). 500: the
-engine failed (`"<ExceptionType>: message"`; the traceback goes to the server log).
-An unknown route or method is a JSON 404 or 405.
+call needs an initialised transfer engine (init it first). 413: the body is larger
+than `max_body_bytes`. 500: the engine failed (`"<ExceptionType>: message"`; the
+traceback goes to the server log). An unknown route or method is a JSON 404 or 405.
+
+`weight_version` is the version of the last round that completed (a failed round
+never changes it); `weights_incomplete` is true while the model holds a mix left by
+a round that failed after it started writing into the weights, until a round
+completes (always false with a staged worker, whose failed rounds never reach the
+model).
 """
 
 from __future__ import annotations
@@ -69,6 +76,14 @@ class _Worker:
         self.initialized = False
         self.init_lock = anyio.Lock()  # one init at a time
         self._version_at_shutdown: str | None = None
+        self._incomplete_at_shutdown = False
+
+    @property
+    def weights_incomplete(self) -> bool:
+        """Whether a failed round left the model's weights half-updated."""
+        if self.engine is None:
+            return self._incomplete_at_shutdown
+        return bool(getattr(self.engine, "weights_incomplete", False))
 
     @property
     def weight_version(self) -> str | None:
@@ -86,6 +101,7 @@ class _Worker:
         Takes no lock on purpose: a shutdown must reach an engine stuck in its init.
         """
         self._version_at_shutdown = self.weight_version
+        self._incomplete_at_shutdown = self.weights_incomplete
         engine, self.engine, self.initialized = self.engine, None, False
         if engine is not None:
             await _in_thread(engine.shutdown)
@@ -118,6 +134,8 @@ async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str,
         body = json.loads(raw)
     except ValueError as exc:
         raise _ApiError(400, f"request body should be a JSON object: {exc}") from None
+    except RecursionError:
+        raise _ApiError(400, "request body should be a JSON object: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise _ApiError(400, f"request body should be a JSON object, got a JSON {_json_kind(body)}")
     unknown = sorted(set(body) - allowed)
@@ -211,6 +229,7 @@ def _routes(worker: _Worker) -> web.RouteTableDef:
         return web.json_response(
             {
                 "weight_version": worker.weight_version,
+                "weights_incomplete": worker.weights_incomplete,
                 "checksum": checksum,
                 "backend": worker.config.backend,
                 "initialized": worker.initialized,
@@ -242,11 +261,17 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
 
 
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+"""Largest request body the worker server reads. The init info carries the trainer's
+plan (a name, dtype and shape per parameter): a few MiB for the largest models."""
+
+
 def build_app(
     model: torch.nn.Module,
     *,
     config: WeightTransferConfig,
     device: torch.device | str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> web.Application:
     """The aiohttp application serving `model` through the engine `config` names.
 
@@ -255,9 +280,12 @@ def build_app(
     thread: `update_weights` blocks for a whole round and the loop must keep serving.
     On app shutdown the engine is shut down first, which lets a round still receiving
     fail out instead of holding the server open.
+
+    A request body larger than `max_body_bytes` is refused with a JSON 413 before it
+    is parsed.
     """
     worker = _Worker(model, config, device)
-    app = web.Application(middlewares=[_json_errors])
+    app = web.Application(middlewares=[_json_errors], client_max_size=max_body_bytes)
     app.add_routes(_routes(worker))
 
     async def on_shutdown(app: web.Application) -> None:

@@ -11,6 +11,17 @@ from ._worker import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 __all__ = ["PipelineSettings", "RoundUpdateInfo", "WorkerPlanInfo", "check_positive"]
 
+_TIMEOUTS = (
+    "connect_timeout",
+    "send_timeout",
+    "ready_timeout",
+    "recv_timeout",
+    "drain_timeout",
+    "rpc_timeout",
+)
+MAX_NUM_BUFFERS = 64
+"""Upper bound on `num_buffers` a worker accepts: each is a bucket-sized allocation."""
+
 
 def check_positive(name: str, value: object, kind: type = int) -> None:
     """Raise `ValueError` naming `name` unless `value` is a positive int (or finite float)."""
@@ -38,13 +49,27 @@ class PipelineSettings:
     device: str | None = None
     """Device for lanes and staging; `None` picks CUDA when available, else CPU."""
     connect_timeout: float = 60.0
-    """Seconds for init: the workers joining."""
+    """Seconds for init: the workers connecting and passing the handshake (sent to
+    workers, which bound their own connect and handshake by it)."""
     send_timeout: float = 300.0
     """Seconds for one bucket to be taken by every worker."""
     ready_timeout: float = 300.0
     """Seconds for every worker to start receiving a round."""
     recv_timeout: float = 300.0
     """Seconds a worker waits for the next bucket before it gives up (sent to workers)."""
+    drain_timeout: float = 300.0
+    """Seconds a worker waits for its background apply to finish, at
+    `finish_weight_update` and before a new round or init (sent to workers). Past it
+    the round fails with an `ApplyError` naming the stuck bucket: a transform or
+    `load_weights` that never returns."""
+    rpc_timeout: float = 600.0
+    """Seconds one control-plane call may take: `init_weight_transfer_engine`,
+    `start_weight_update`, `finish_weight_update` (which includes the worker's drain,
+    so keep it above `drain_timeout`), and `update_weights` once the last bucket or
+    the abort was sent (while data flows, the data-plane timeouts bound the round).
+    A call still running past it is abandoned (a synchronous client's thread keeps
+    running in the background until the worker answers) and the round fails with a
+    `ControlPlaneError`."""
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -52,7 +77,11 @@ class PipelineSettings:
             parent()
         for name in ("bucket_bytes", "num_buffers", "alignment"):
             check_positive(name, getattr(self, name))
-        for name in ("connect_timeout", "send_timeout", "ready_timeout", "recv_timeout"):
+        if self.num_buffers > MAX_NUM_BUFFERS:
+            raise ValueError(
+                f"num_buffers should be at most {MAX_NUM_BUFFERS}, got {self.num_buffers}"
+            )
+        for name in _TIMEOUTS:
             check_positive(name, getattr(self, name), float)
         if not isinstance(self.zero_copy, bool):
             raise ValueError(f"zero_copy should be a bool, got {self.zero_copy!r}")
@@ -63,6 +92,7 @@ class PipelineSettings:
             "num_buffers": self.num_buffers,
             "connect_timeout": self.connect_timeout,
             "recv_timeout": self.recv_timeout,
+            "drain_timeout": self.drain_timeout,
         }
 
 
@@ -75,13 +105,18 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     num_buffers: int = 2
     connect_timeout: float = 60.0
     recv_timeout: float = 300.0
+    drain_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, dict):
             raise ValueError(f"plan should be a dict, got {type(self.plan).__name__}")
         check_positive("num_buffers", self.num_buffers)
-        check_positive("connect_timeout", self.connect_timeout, float)
-        check_positive("recv_timeout", self.recv_timeout, float)
+        if self.num_buffers > MAX_NUM_BUFFERS:
+            raise ValueError(
+                f"num_buffers should be at most {MAX_NUM_BUFFERS}, got {self.num_buffers}"
+            )
+        for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
+            check_positive(name, getattr(self, name), float)
 
 
 @dataclass

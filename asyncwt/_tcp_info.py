@@ -30,6 +30,15 @@ class LinkedTrainerInfo(PipelineSettings):
     """Shared secret for the challenge–response; travels only on the control plane."""
     max_workers: int = 64
     """Connections admitted during init; more are refused."""
+    max_pending_handshakes: int = 16
+    """Connections that may be in their handshake at once during init. Past it the
+    listener stops accepting (newcomers wait in the kernel's backlog) until one
+    finishes, so a flood of idle connections cannot exhaust the trainer's file
+    descriptors or memory."""
+    handshake_timeout: float = 10.0
+    """Seconds a connection has to complete its handshake (the worker's HELLO and
+    PROOF) before the trainer drops it: an idle connection holds a handshake slot at
+    most this long."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,6 +51,8 @@ class LinkedTrainerInfo(PipelineSettings):
                 f"token should be a str of at least 16 characters, got {len(str(self.token))} characters"
             )
         check_positive("max_workers", self.max_workers)
+        check_positive("max_pending_handshakes", self.max_pending_handshakes)
+        check_positive("handshake_timeout", self.handshake_timeout, float)
 
     def link_settings(self) -> LinkSettings:
         return LinkSettings(
@@ -50,6 +61,8 @@ class LinkedTrainerInfo(PipelineSettings):
             advertise_host=self.advertise_host,
             token=self.token,
             max_workers=self.max_workers,
+            max_pending_handshakes=self.max_pending_handshakes,
+            handshake_timeout=self.handshake_timeout,
             connect_timeout=self.connect_timeout,
             send_timeout=self.send_timeout,
             ready_timeout=self.ready_timeout,

@@ -11,9 +11,11 @@ The group's timeout turns a dead peer into an error instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import secrets
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ._applier import ModelTarget
-from ._concurrency import single_error
-from ._exceptions import TransferError, TransferTimeoutError
+from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
 from ._lanes import staging_buffer
 from ._link import TrainerLinks, WorkerLink, connect_link
 from ._plan import Bucket, TransferPlan
@@ -53,17 +54,59 @@ def _group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
 def _new_group(
-    backend: str, store: dist.Store, rank: int, size: int, timeout: float, device: torch.device
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: float,
+    device: torch.device,
+    address: str | None = None,
 ) -> dist.ProcessGroup:
-    """A process group of its own over `store` (the default group is left alone)."""
+    """A process group of its own over `store` (the default group is left alone).
+
+    A gloo group listens on `address` (the interface the link uses), not on whatever
+    the host name resolves to; `None` or a wildcard leaves gloo's default.
+    """
     delta = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = delta
         torch.cuda.set_device(device)
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, delta)
+    if address is None or address in _WILDCARDS:
+        return dist.ProcessGroupGloo(store, rank, size, delta)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._timeout = delta
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, gloo_options)
+
+
+def _store_listener(host: str, port: int) -> int:
+    """A listening socket on `host` for the group's store, as a file descriptor.
+
+    `TCPStore(is_master=True)` would listen on every interface whatever `host` says;
+    handing it a socket bound here keeps it on the link's address (loopback by
+    default). The store owns the descriptor from then on.
+    """
+    listener = socket.create_server((host, port), backlog=128)
+    return listener.detach()
+
+
+def _release_group(group: dist.ProcessGroup | None) -> None:
+    """Abort `group` now, closing its connections, instead of whenever it is collected
+    (a traceback that mentions it could keep it alive, and its sockets open)."""
+    if group is not None:
+        with contextlib.suppress(Exception):
+            group.abort()
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a collective failed by timing out (rather than by a peer leaving)."""
+    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
@@ -156,7 +199,12 @@ class TorchDistSender(SenderTransport):
         info = self.info
         timeout = datetime.timedelta(seconds=info.connect_timeout)
         self.store = dist.TCPStore(
-            info.host, info.store_port, is_master=True, wait_for_workers=False, timeout=timeout
+            info.host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=_store_listener(info.host, info.store_port),
         )
         self.group_key = secrets.token_hex(16)
         fields = {
@@ -183,6 +231,7 @@ class TorchDistSender(SenderTransport):
                 self.info.num_workers + 1,
                 self.info.send_timeout,
                 self.device,
+                self.info.advertise_host or self.info.host,
             )
             with anyio.CancelScope(shield=True):  # a rendezvous in flight cannot be abandoned
                 self.group = await anyio.to_thread.run_sync(create)
@@ -203,21 +252,26 @@ class TorchDistSender(SenderTransport):
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot)
-        await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
         payload = self.staging(slot)[: bucket.buffer_bytes]
         assert self.group is not None
-        # A collective in flight cannot be interrupted: finish it (bounded by the
-        # group's timeout), so that both sides stay in step for the abort that follows.
+        # A header and its broadcast are one unit: once the header is out, every
+        # worker waits in the collective, so a cancellation in between would strand
+        # them there until their timeout. Header and collective are each bounded by
+        # send_timeout; the abort that follows a cancellation finds both sides in step.
         with anyio.CancelScope(shield=True):
+            await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
             try:
                 await anyio.to_thread.run_sync(_broadcast, self.group, payload)
             except RuntimeError as exc:
                 self.store = None  # the group is unusable: a new trainer_init is needed
-                raise TransferTimeoutError(
+                self._leave_group()  # its sockets close now, not when the engine does
+                error = TransferTimeoutError if _timed_out(exc) else TransferError
+                raise error(
                     f"round {self.links.round_id}: broadcasting bucket {bucket.index} failed "
-                    f"(a worker died or stalled past the group timeout of "
-                    f"{self.info.send_timeout}s): {exc}"
-                ) from exc
+                    f"(a worker left the group, or stalled past the group timeout of "
+                    f"send_timeout={self.info.send_timeout}s): {exc}; call trainer_init "
+                    f"again to reconnect"
+                ) from exc.with_traceback(None)  # its frames would keep the group alive
 
     async def end_round(self) -> None:
         await self.links.end_round()
@@ -225,9 +279,13 @@ class TorchDistSender(SenderTransport):
     async def abort_round(self, reason: str) -> None:
         await self.links.abort_round(reason)
 
+    def _leave_group(self) -> None:
+        group, self.group = self.group, None
+        _release_group(group)
+
     def close(self) -> None:
         self.links.close()
-        self.group = None
+        self._leave_group()
         self.store = None
         self._staging = [None] * len(self._staging)
 
@@ -249,7 +307,7 @@ class TorchDistReceiver(ReceiverTransport):
         """Connect the link and take a rank in the group (which forms at the first round)."""
         info = self.info
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
-        self.link = WorkerLink(sock, self.plan, info.recv_timeout)
+        self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=info.num_buffers)
         try:
             timeout = datetime.timedelta(seconds=info.connect_timeout)
             store = dist.TCPStore(info.host, info.store_port, is_master=False, timeout=timeout)
@@ -267,8 +325,16 @@ class TorchDistReceiver(ReceiverTransport):
         if self.group is None:
             info = self.info
             assert self.store is not None
+            assert self.link is not None
+            address = self.link.sock.getsockname()[0]  # the interface that reaches the trainer
             self.group = _new_group(
-                info.group_backend, self.store, self.rank, info.world_size, info.recv_timeout, self.device
+                info.group_backend,
+                self.store,
+                self.rank,
+                info.world_size,
+                info.recv_timeout,
+                self.device,
+                address,
             )
         return self.group
 
@@ -279,30 +345,49 @@ class TorchDistReceiver(ReceiverTransport):
     def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
-        with link.guard(round_id):
-            for frame in link.frames(round_id, after_ready=self._form_group):
-                group = self.group
-                assert group is not None
-                bucket = self.plan.buckets[frame.index]
-                buffer, release = self.pool.take()
-                try:
-                    _broadcast(group, buffer[: bucket.buffer_bytes])
-                except RuntimeError as exc:
-                    release()
-                    self.store = None  # the group is unusable: a new init is needed
-                    raise TransferTimeoutError(
-                        f"round {round_id}: receiving bucket {frame.index} by broadcast failed "
-                        f"(the trainer died or stalled past {self.info.recv_timeout}s): {exc}"
-                    ) from exc
-                except BaseException:
-                    release()
-                    raise
-                yield ReceivedBucket(bucket, buffer, release)
+        try:
+            with link.guard(round_id):
+                yield from self._receive(link, round_id)
+        except TransferAbortedError:
+            raise  # at a frame boundary: the group stays in step
+        except BaseException:
+            # The round broke: leave the group now, so that the trainer's broadcast in
+            # flight fails at once instead of waiting for the group timeout.
+            self.store = None
+            self._leave_group()
+            raise
+
+    def _receive(self, link: WorkerLink, round_id: int) -> Iterator[ReceivedBucket]:
+        for frame in link.frames(round_id, after_ready=self._form_group):
+            # No local reference to the group: a traceback through this frame must
+            # not keep it (and its sockets) alive after it is released.
+            assert self.group is not None
+            bucket = self.plan.buckets[frame.index]
+            buffer, release = self.pool.take()
+            try:
+                _broadcast(self.group, buffer[: bucket.buffer_bytes])
+            except RuntimeError as exc:
+                release()
+                error = TransferTimeoutError if _timed_out(exc) else TransferError
+                raise error(
+                    f"round {round_id}: receiving bucket {frame.index} by broadcast failed "
+                    f"(the trainer left the group, or stalled past recv_timeout="
+                    f"{self.info.recv_timeout}s): {exc}"
+                ) from exc.with_traceback(None)  # its frames would keep the group alive
+            except BaseException:
+                release()
+                raise
+            yield ReceivedBucket(bucket, buffer, release)
+
+    def _leave_group(self) -> None:
+        group, self.group = self.group, None
+        _release_group(group)
 
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
-        self.group = None
+        self._leave_group()
+        self.store = None
 
 
 class TorchDistTrainerEngine(PipelinedTrainerEngine[TorchDistTrainerInitInfo]):

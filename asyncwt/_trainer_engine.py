@@ -18,6 +18,7 @@ from typing_extensions import Self
 
 from ._client import AnyWeightSyncClient, call_client
 from ._concurrency import single_error
+from ._exceptions import ControlPlaneError
 from ._lanes import DeviceLane
 from ._pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
 from ._plan import TransferPlan
@@ -32,6 +33,24 @@ __all__ = ["PipelinedTrainerEngine"]
 logger = logging.getLogger("asyncwt")
 
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
+
+
+async def bounded_call(
+    client: object, method: str, *args: Any, timeout: float, where: str
+) -> None:
+    """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
+
+    A synchronous client's thread cannot be interrupted: it is left to finish in the
+    background (its result is dropped), so the caller never waits past `timeout`.
+    """
+    with anyio.move_on_after(timeout) as scope:
+        await call_client(client, method, *args)
+    if scope.cancelled_caught:
+        raise ControlPlaneError(
+            f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
+            f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
+            f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
+        )
 
 
 def _default_device(name: str | None) -> torch.device:
@@ -123,7 +142,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             fields = {"plan": plan.to_wire(), **settings.worker_fields()}
 
             async def init_workers(init_info: dict[str, Any]) -> None:
-                await call_client(client, "init_weight_transfer_engine", init_info)
+                await bounded_call(
+                    client,
+                    "init_weight_transfer_engine",
+                    init_info,
+                    timeout=settings.rpc_timeout,
+                    where="trainer_init",
+                )
 
             try:
                 await transport.rendezvous(fields, init_workers)
@@ -141,10 +166,17 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     async def send_weights(self, *, weight_version: str | None = None) -> RoundStats:  # type: ignore[override]
         """Run one round and return its stats; call it on every trainer rank.
 
+        Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
+        the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
+        `ControlPlaneError` (a worker's error, or an RPC past `rpc_timeout`), whose
+        message names the round and says whether a new `trainer_init` is needed.
+
         Cancellation: the round is aborted on every worker (their `update_weights`
         fails, no version is published), staging slots are released, and the
         iterate thread stops at its next tensor; the next round starts clean. A
-        bucket already being written finishes first (bounded by `send_timeout`).
+        bucket already being written finishes first (bounded by `send_timeout`). A
+        cancellation during `finish_weight_update` cannot be taken back: the
+        workers may still publish the round, which arrived completely.
         """
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
@@ -171,9 +203,12 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     async def _sender_round(
         self, transport: SenderTransport, round_id: int, weight_version: str | None
     ) -> dict[str, float]:
-        await call_client(self.client, "start_weight_update")
+        rpc_timeout = self.info.rpc_timeout
+        where = f"round {round_id}"
+        await bounded_call(self.client, "start_weight_update", timeout=rpc_timeout, where=where)
         update_info = {"round_id": round_id, "plan_digest": self.plan.digest}
         failed = False
+        update_done = anyio.Event()
         busy: dict[str, float] = {}
 
         async def update_rpc() -> None:
@@ -183,6 +218,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 if not failed:
                     raise
                 logger.debug("round %d: update_weights failed after the abort: %r", round_id, exc)
+            finally:
+                update_done.set()
 
         with single_error():
             async with anyio.create_task_group() as tg:
@@ -203,8 +240,27 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     failed = True
                     with anyio.CancelScope(shield=True):
                         await transport.abort_round(f"{type(exc).__name__}: {exc}")
+                    if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                        # Let the workers acknowledge the abort (their update_weights
+                        # returns), but no longer than rpc_timeout: the RPC is then
+                        # abandoned by the task group (a sync client's thread included).
+                        with anyio.move_on_after(rpc_timeout):
+                            await update_done.wait()
                     raise
-        await call_client(self.client, "finish_weight_update", weight_version)
+                with anyio.move_on_after(rpc_timeout) as scope:
+                    await update_done.wait()
+                if scope.cancelled_caught:
+                    failed = True
+                    raise ControlPlaneError(
+                        f"round {round_id}: every bucket was sent but update_weights did not "
+                        f"return within rpc_timeout={rpc_timeout}s (a worker stalled, or its "
+                        f"control plane is unreachable); nothing was published. Check the "
+                        f"workers, then send again (or trainer_init again if the data plane "
+                        f"broke)"
+                    )
+        await bounded_call(
+            self.client, "finish_weight_update", weight_version, timeout=rpc_timeout, where=where
+        )
         return busy
 
     def _stats(

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from ._exceptions import AuthenticationError, PlanMismatchError, ProtocolError
 
@@ -33,7 +34,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 FRAME_MAGIC = b"AWTF"
-_FRAME = struct.Struct("<4sB3xQII16sQ")
+_FRAME = struct.Struct("<4sB3sQII16sQ")
+_RESERVED = bytes(3)
 FRAME_SIZE = _FRAME.size
 ABORT_REASON_MAX = 4096
 DIGEST_PREFIX = 16
@@ -68,20 +70,41 @@ class Frame:
 
     def pack(self) -> bytes:
         return _FRAME.pack(
-            FRAME_MAGIC, self.kind, self.round_id, self.index, self.slot, self.digest, self.nbytes
+            FRAME_MAGIC,
+            self.kind,
+            _RESERVED,
+            self.round_id,
+            self.index,
+            self.slot,
+            self.digest,
+            self.nbytes,
         )
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Frame:
-        """Parse a header; a wrong magic or unknown kind is a `ProtocolError`."""
-        magic, kind, round_id, index, slot, digest, nbytes = _FRAME.unpack(data)
+        """Parse a header; a wrong size, magic, reserved bytes or kind is a `ProtocolError`.
+
+        Only the header's own consistency is checked here; whether it fits the round
+        and the plan is the reader's business (`WorkerLink.frames`).
+        """
+        magic, kind, reserved, round_id, index, slot, digest, nbytes = _unpack(
+            _FRAME, data, "frame header"
+        )
         if magic != FRAME_MAGIC:
             raise ProtocolError(f"frame magic should be {FRAME_MAGIC!r}, got {magic!r}")
+        if reserved != _RESERVED:
+            raise ProtocolError(f"frame reserved bytes should be zero, got {reserved.hex()}")
         try:
             frame_kind = FrameKind(kind)
         except ValueError:
             raise ProtocolError(f"frame kind {kind} is not one of {list(map(int, FrameKind))}")
         return cls(frame_kind, round_id, index, digest, nbytes, slot)
+
+
+def _unpack(layout: struct.Struct, data: bytes | bytearray | memoryview, what: str) -> tuple[Any, ...]:
+    if len(data) != layout.size:
+        raise ProtocolError(f"{what} should be {layout.size} bytes, got {len(data)}")
+    return layout.unpack(data)
 
 
 def digest_prefix(digest_hex: str) -> bytes:
@@ -118,7 +141,7 @@ def pack_hello(nonce: bytes, digest: bytes) -> bytes:
 
 def unpack_hello(data: bytes) -> tuple[bytes, bytes]:
     """`(worker nonce, plan digest)` of a HELLO; anything else is a `ProtocolError`."""
-    magic, version, nonce, digest = _HELLO.unpack(data)
+    magic, version, nonce, digest = _unpack(_HELLO, data, "handshake HELLO")
     if magic != b"AWTH":
         raise ProtocolError(f"handshake HELLO magic should be b'AWTH', got {magic!r}")
     if version != PROTOCOL_VERSION:
@@ -135,7 +158,7 @@ def pack_challenge(token: str, worker_nonce: bytes, trainer_nonce: bytes, digest
 
 def verify_challenge(token: str, worker_nonce: bytes, digest: bytes, data: bytes) -> bytes:
     """Check the trainer's proof; return its nonce. A wrong token is `AuthenticationError`."""
-    magic, trainer_nonce, mac = _CHALLENGE.unpack(data)
+    magic, trainer_nonce, mac = _unpack(_CHALLENGE, data, "handshake CHALLENGE")
     if magic != b"AWTC":
         raise ProtocolError(f"handshake CHALLENGE magic should be b'AWTC', got {magic!r}")
     if not hmac.compare_digest(mac, _mac(token, b"trainer", worker_nonce, trainer_nonce, digest)):
@@ -153,7 +176,7 @@ def pack_proof(token: str, worker_nonce: bytes, trainer_nonce: bytes, digest: by
 def proof_is_valid(
     token: str, worker_nonce: bytes, trainer_nonce: bytes, digest: bytes, data: bytes
 ) -> bool:
-    magic, mac = _PROOF.unpack(data)
+    magic, mac = _unpack(_PROOF, data, "handshake PROOF")
     expected = _mac(token, b"worker", trainer_nonce, worker_nonce, digest)
     return magic == b"AWTP" and hmac.compare_digest(mac, expected)
 
@@ -164,7 +187,7 @@ def pack_result(status: HandshakeStatus) -> bytes:
 
 def check_result(data: bytes) -> None:
     """Raise the error a non-OK RESULT stands for."""
-    magic, status = _RESULT.unpack(data)
+    magic, status = _unpack(_RESULT, data, "handshake RESULT")
     if magic != b"AWTR":
         raise ProtocolError(f"handshake RESULT magic should be b'AWTR', got {magic!r}")
     if status == HandshakeStatus.OK:

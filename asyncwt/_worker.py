@@ -36,7 +36,25 @@ class WeightTransferConfig:
     It runs on the apply threads; it must not keep the tensor it is given (a view of a
     receive buffer that is reused)."""
 
+    staged: bool = False
+    """Receive each round into a shadow copy of the weights and move it into the model
+    only at `finish_weight_update`, once every byte arrived and was applied: a round
+    that fails halfway leaves the previous weights intact and in use.
+
+    Costs one extra copy of every transferred parameter, allocated at init and kept:
+    in the model's dtype and on its device for a plain model; in the wire dtype in
+    host memory for a model with `load_weights`, whose `transform` and `load_weights`
+    then run at finish (a failure there can still leave the model partly loaded, and
+    is reported through `weights_incomplete`). Unstaged (the default), a round writes
+    into the live weights as it arrives, and a failed round leaves them mixed until
+    the next round completes.
+
+    A worker-side option because the memory is the worker's: the trainer neither
+    knows nor needs to know whether a worker stages."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.staged, bool):
+            raise ValueError(f"staged should be a bool, got {self.staged!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend should be a non-empty str, got {self.backend!r}")
         if not isinstance(self.apply_threads, int) or isinstance(self.apply_threads, bool) or self.apply_threads < 1:

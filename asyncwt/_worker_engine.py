@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._applier import DeferredApplier, ModelTarget
-from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
+from ._exceptions import ApplyError, TransferAbortedError, TransferError, TransferTimeoutError
 from ._lanes import staging_buffer
 from ._plan import TransferPlan
 from ._settings import RoundUpdateInfo, WorkerPlanInfo
@@ -68,6 +68,18 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     the optional transform and loading run on `config.apply_threads` threads.
     `finish_weight_update(weight_version)` drains them, re-raises the first error
     naming the parameter, and only then publishes `weight_version`.
+
+    Round outcome: `weight_version` is always the version of the last round that
+    completed; a failed round never changes it. `weights_incomplete` says whether
+    the model's weights are a mix left by a failed round: it becomes true when a
+    round starts writing into the model and false again when a round completes.
+    With `config.staged` a round writes into a shadow copy and reaches the model
+    only at finish, so a failed round leaves `weights_incomplete` false and the
+    previous weights in use (at the cost of one extra copy of the weights).
+
+    Every wait is bounded: the connection and handshake by `connect_timeout`, each
+    frame by `recv_timeout`, background apply by `drain_timeout` (all from the
+    trainer's init info).
     """
 
     init_info_cls: ClassVar[type[WorkerPlanInfo]]
@@ -87,7 +99,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self.weight_version: str | None = None
         """The version of the last round that finished completely."""
         self.weights_incomplete = False
-        """True after a round that started changing the weights and did not finish."""
+        """True after a round that started changing the model's weights and did not
+        finish: the model holds a mix of two versions until a round completes."""
         self._applier = DeferredApplier(config.apply_threads)
         self.receiver: ReceiverTransport | None = None
         self._plan: TransferPlan | None = None
@@ -95,6 +108,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self._last_round = 0
         self._received_round = 0
         self._round_error: BaseException | None = None
+        self._drain_timeout = WorkerPlanInfo.drain_timeout
+        self._recv_timeout = WorkerPlanInfo.recv_timeout
         self._receiving = threading.Lock()
         """Held while a round is received: a late call waits for an aborted one to end."""
 
@@ -104,7 +119,11 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
 
     def _resolve(self, model: torch.nn.Module, plan: TransferPlan) -> ModelTarget:
         return ModelTarget.resolve(
-            model, plan, self.config.transform, in_place=self.receives_in_place
+            model,
+            plan,
+            self.config.transform,
+            in_place=self.receives_in_place,
+            staged=self.config.staged,
         )
 
     def receive_pool(
@@ -121,24 +140,35 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def init_transfer_engine(self, init_info: WorkerPlanInfo) -> None:
         """Rebuild the trainer's plan, match it to the model, and join the trainer.
 
-        Replaces any previous connection: a new `trainer_init` reconnects this way.
+        Replaces any previous connection: a new `trainer_init` reconnects this way,
+        without restarting the worker, after the trainer or the connection died. A
+        round still receiving on the old connection fails at once. Raises
+        `ApplyError` if the old connection's background apply is still stuck after
+        `drain_timeout`.
         """
         plan = TransferPlan.from_wire(init_info.plan)
         target = self._resolve(self.model, plan)
         receiver = self.make_receiver(init_info, plan)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
-        if old is not None:
-            old.close()
-        self._drain_quietly()
         self._plan, self._target = plan, target
         self._last_round = self._received_round = 0
+        self._round_error = None
+        self._drain_timeout = init_info.drain_timeout
+        self._recv_timeout = init_info.recv_timeout
+        if old is not None:
+            old.close()
+        self._drain_quietly("before the new connection's first round")
 
     # -- rounds -----------------------------------------------------------------------
 
     def start_weight_update(self) -> None:
-        """Begin a round: leftovers of an aborted round are drained and forgotten."""
-        self._drain_quietly()
+        """Begin a round: leftovers of an aborted round are drained and forgotten.
+
+        Raises `ApplyError` when a previous round's background apply is still stuck
+        after `drain_timeout`.
+        """
+        self._drain_quietly("before a new round")
         self._round_error = None
 
     def receive_weights(self, update_info: RoundUpdateInfo) -> None:
@@ -155,47 +185,91 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                 f"round_id should increase: got {update_info.round_id} after {self._last_round}"
             )
         round_id = self._last_round = update_info.round_id
-        with self._receiving:
-            try:
-                self.weights_incomplete = True
-                for received in receiver.receive_round(round_id, target):
-                    self._applier.submit(
-                        target, round_id, received.bucket, received.buffer, received.release
-                    )
-            except BaseException as exc:
-                self._round_error = exc
-                if not isinstance(exc, TransferAbortedError):
-                    logger.warning("round %d failed on the worker: %r", round_id, exc)
-                raise
+        if not self._receiving.acquire(timeout=self._recv_timeout):
+            raise TransferTimeoutError(
+                f"round {round_id}: the previous round was still being received after "
+                f"recv_timeout={self._recv_timeout}s; init_weight_transfer_engine again to reset"
+            )
+        try:
+            if target.commit is None:
+                self.weights_incomplete = True  # bytes land in the live weights from now on
+            for received in receiver.receive_round(round_id, target):
+                self._applier.submit(
+                    target, round_id, received.bucket, received.buffer, received.release
+                )
+        except BaseException as exc:
+            self._round_error = exc
+            if not isinstance(exc, TransferAbortedError):
+                logger.warning("round %d failed on the worker: %r", round_id, exc)
+            raise
+        finally:
+            self._receiving.release()
         self._received_round = round_id
 
     def drain_pending(self) -> None:
         """Block until every received bucket is applied; re-raise the first error.
 
-        Idempotent: a second call returns at once (an error is raised once).
+        Idempotent: a second call returns at once (an error is raised once). Bounded
+        by `drain_timeout`: an apply still running after it raises `ApplyError`
+        naming the round, bucket and parameters.
         """
-        self._applier.drain()
+        self._applier.drain(self._drain_timeout)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:  # type: ignore[override]
-        """Drain background apply, then publish `weight_version`.
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Drain background apply, commit a staged round, then publish `weight_version`.
 
-        Raises the first apply error (naming the parameter) or the error that ended
-        the round's receive; either way the version is not published.
+        Raises the first apply error (naming the parameter), an `ApplyError` when the
+        drain exceeds `drain_timeout`, or a `TransferError` naming the error that
+        ended the round's receive; in every case `weight_version` keeps the last
+        completed round's version and `weights_incomplete` says whether the model
+        was left half-updated.
         """
+        round_id = self._last_round
         if self._round_error is not None:
             error, self._round_error = self._round_error, None
-            self._drain_quietly()
-            raise TransferError(f"the round did not complete: {error}") from error
-        self.drain_pending()
-        if self._last_round == 0 or self._received_round != self._last_round:
-            raise TransferError("finish_weight_update called without a completely received round")
+            self._drain_quietly("after the failed round")
+            raise TransferError(
+                f"round {round_id} did not complete, so version {weight_version!r} is not "
+                f"published; {self._outcome()}. Cause: {type(error).__name__}: {error}"
+            ) from error
+        try:
+            self.drain_pending()
+        except ApplyError as exc:
+            raise ApplyError(f"{exc}; {self._outcome()}") from exc.__cause__
+        if round_id == 0 or self._received_round != round_id:
+            raise TransferError(
+                f"finish_weight_update called without a completely received round (last "
+                f"round {round_id}); {self._outcome()}"
+            )
+        target = self._target
+        if target is not None and target.commit is not None:
+            self.weights_incomplete = True
+            try:
+                target.commit()
+            except Exception as exc:
+                raise ApplyError(
+                    f"round {round_id}: moving the staged weights into the model failed: "
+                    f"{type(exc).__name__}: {exc}; {self._outcome()}"
+                ) from exc
         self.weight_version = weight_version
         self.weights_incomplete = False
 
-    def _drain_quietly(self) -> None:
+    def _outcome(self) -> str:
+        """What a failed round left behind, for error messages."""
+        state = (
+            "the model holds a mix of versions until a round completes"
+            if self.weights_incomplete
+            else "the model's weights are unchanged"
+        )
+        return f"the published version stays {self.weight_version!r} and {state}"
+
+    def _drain_quietly(self, when: str) -> None:
+        """Wait for leftover apply work (bounded); drop errors of abandoned rounds."""
+        if not self._applier.wait(self._drain_timeout):
+            raise self._applier.stuck_error(self._drain_timeout, when)
         try:
             self._applier.drain()
-        except Exception as exc:  # reported already, or belongs to an abandoned round
+        except ApplyError as exc:  # reported already, or belongs to an abandoned round
             logger.debug("dropping an error from an abandoned round: %r", exc)
 
     def _require_init(self) -> tuple[ReceiverTransport, TransferPlan, ModelTarget]:
@@ -223,7 +297,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             self._target = self._resolve(self.model, self._plan)
 
     def shutdown(self) -> None:
-        """Disconnect and stop the apply threads (after queued work)."""
+        """Disconnect and stop the apply threads (after queued work, up to `drain_timeout`)."""
         if self.receiver is not None:
             self.receiver.close()
-        self._applier.shutdown()
+        self._applier.shutdown(self._drain_timeout)

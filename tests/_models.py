@@ -72,6 +72,14 @@ def failing_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def hanging_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Hangs for ASYNCWT_TEST_HANG_S seconds on `w16` while the file ASYNCWT_TEST_HANG
+    names exists: a transform stuck longer than the drain timeout."""
+    if name == "w16" and Path(os.environ["ASYNCWT_TEST_HANG"]).exists():
+        time.sleep(float(os.environ.get("ASYNCWT_TEST_HANG_S", "3")))
+    return tensor
+
+
 def dtensor_mlp() -> nn.Module:
     """The worker's copy of the model the two-rank trainer shards with FSDP2."""
     return nn.Sequential(nn.Linear(64, 47), nn.ReLU(), nn.Linear(47, 33), nn.LayerNorm(33))

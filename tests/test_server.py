@@ -176,6 +176,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
         [status] = await client.weights_status()
         assert status == {
             "weight_version": "v1",
+            "weights_incomplete": False,
             "checksum": filled_checksum(1.5),
             "backend": FAKE_BACKEND,
             "initialized": True,
