@@ -198,13 +198,20 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                     target, round_id, received.bucket, received.buffer, received.release
                 )
         except BaseException as exc:
-            self._round_error = exc
+            # A receive overtaken by a new init (its trainer died, a new one connected)
+            # must not poison the new connection's rounds: record only the current one.
+            if self._is_current(receiver, round_id):
+                self._round_error = exc
             if not isinstance(exc, TransferAbortedError):
                 logger.warning("round %d failed on the worker: %r", round_id, exc)
             raise
         finally:
             self._receiving.release()
-        self._received_round = round_id
+        if self._is_current(receiver, round_id):
+            self._received_round = round_id
+
+    def _is_current(self, receiver: ReceiverTransport, round_id: int) -> bool:
+        return self.receiver is receiver and self._last_round == round_id
 
     def drain_pending(self) -> None:
         """Block until every received bucket is applied; re-raise the first error.

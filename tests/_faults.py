@@ -274,12 +274,20 @@ def start_trainer(url: str, backend: str) -> subprocess.Popen[str]:
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The child's next line of output; fails after `timeout` seconds."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
+    """The child's next line of output; fails after `timeout` seconds.
+
+    Read on a thread, not with select(): a line already sitting in the pipe
+    object's buffer (two lines read in one chunk) is invisible to select().
+    """
+    stdout = proc.stdout
+    assert stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not lines:
         raise AssertionError(f"the child printed nothing within {timeout}s")
-    return proc.stdout.readline().strip()
+    return lines[0].strip()
 
 
 def _trainer_main(url: str, backend: str) -> None:

@@ -1,7 +1,7 @@
-"""The benchmark (`python -m asyncwt._bench`): a smoke run across real processes, no timing asserts.
+"""The benchmark (`asyncwt bench`): a smoke run across real processes, no timing asserts.
 
-The `--tiny` run starts every child the full benchmark starts (raw sender, peer
-workers, `asyncwt worker` servers, trainer processes) on an 8 MiB model and checks
+The `--quick` run starts every child the full benchmark starts (raw sender, peer
+workers, `asyncwt worker` servers, trainer processes) on a 64 MiB model and checks
 that the report is complete and that every transfer arrived bit-exact. Speed is
 reported by the benchmark, never asserted here: CI machines vary.
 """
@@ -30,7 +30,7 @@ SECTIONS = ["meta", "limits", "peers", "asyncwt", "overlap", "memory", "sweep", 
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncwt._bench", "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "asyncwt", "bench", "--quick", "--out", str(out)],
         check=False,
         capture_output=True,
         text=True,
