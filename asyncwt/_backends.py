@@ -11,8 +11,8 @@ import torch
 from ._registry import mark_unavailable, register_trainer_engine, register_worker_engine
 from ._shm import ShmTrainerEngine, ShmWorkerEngine
 from ._tcp_trainer import TcpTrainerEngine
-from ._torch_dist import TorchDistTrainerEngine, TorchDistWorkerEngine
 from ._tcp_worker import TcpWorkerEngine
+from ._torch_dist import TorchDistTrainerEngine, TorchDistWorkerEngine
 
 register_trainer_engine("tcp", TcpTrainerEngine)
 register_worker_engine("tcp", TcpWorkerEngine)

@@ -31,6 +31,7 @@ from ._exceptions import (
 )
 from ._plan import TransferPlan
 from ._sockio import async_recv_exact, async_send_segments, recv_exact, send_all
+from ._transport import InitWorkers, SenderTransport
 from ._wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
@@ -54,6 +55,7 @@ from ._wire import (
 
 __all__ = [
     "LinkSettings",
+    "LinkedSender",
     "Peer",
     "TrainerLinks",
     "WorkerLink",
@@ -368,6 +370,39 @@ class TrainerLinks:
     def close(self) -> None:
         for peer in self.peers:
             peer.close("engine shut down")
+
+
+class LinkedSender(SenderTransport):
+    """A sender whose round protocol (READY, END, ABORT) runs over the links.
+
+    Every built-in backend is one: a subclass says only how a bucket's payload
+    travels (`send_bucket`) and adds what its transport needs around the rest.
+    """
+
+    def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
+        self.links = TrainerLinks(settings, plan)
+
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        await self.links.rendezvous(worker_fields, init_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.links.peers)
+
+    def check_usable(self) -> None:
+        self.links.check_usable()
+
+    async def begin_round(self, round_id: int) -> None:
+        await self.links.wait_ready(round_id)
+
+    async def end_round(self) -> None:
+        await self.links.end_round()
+
+    async def abort_round(self, reason: str) -> None:
+        await self.links.abort_round(reason)
+
+    def close(self) -> None:
+        self.links.close()
 
 
 def connect_link(

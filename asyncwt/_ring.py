@@ -18,22 +18,22 @@ import torch
 
 from ._applier import ModelTarget
 from ._exceptions import ProtocolError
-from ._link import Peer, TrainerLinks, WorkerLink, connect_link
+from ._link import LinkedSender, Peer, WorkerLink, connect_link
 from ._plan import Bucket, TransferPlan
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
-from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
+from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport
 from ._wire import Frame, FrameKind
 
 __all__ = ["RingReceiver", "RingSender"]
 
 
-class RingSender(SenderTransport):
+class RingSender(LinkedSender):
     """Packs buckets into the ring and announces each slot over the link."""
 
     accepts_views = False
 
     def __init__(self, info: LinkedTrainerInfo, plan: TransferPlan) -> None:
-        self.links = TrainerLinks(info.link_settings(), plan)
+        super().__init__(info.link_settings(), plan)
         self.release_timeout = info.send_timeout
         self.buffers: list[torch.Tensor] = []
         self.pending: list[set[Peer]] = []
@@ -53,15 +53,8 @@ class RingSender(SenderTransport):
         """Every worker has mapped the ring (hook: drop names, say)."""
 
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
-        await self.links.rendezvous({**worker_fields, **self.exported()}, init_workers)
+        await super().rendezvous({**worker_fields, **self.exported()}, init_workers)
         self.after_rendezvous()
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.links.peers)
-
-    def check_usable(self) -> None:
-        self.links.check_usable()
 
     def staging(self, slot: int) -> torch.Tensor | None:
         return self.buffers[self.bound[slot]]
@@ -109,14 +102,8 @@ class RingSender(SenderTransport):
         self.pending[ring] = set(self.links.peers)
         await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
 
-    async def end_round(self) -> None:
-        await self.links.end_round()
-
-    async def abort_round(self, reason: str) -> None:
-        await self.links.abort_round(reason)
-
     def close(self) -> None:
-        self.links.close()
+        super().close()
         self.buffers = []
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ._applier import ModelTarget
 from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
 from ._lanes import staging_buffer
-from ._link import TrainerLinks, WorkerLink, connect_link
+from ._link import LinkedSender, WorkerLink, connect_link
 from ._plan import Bucket, TransferPlan
 from ._settings import check_positive
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
@@ -162,15 +162,15 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
             raise ValueError(f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}")
 
 
-class TorchDistSender(SenderTransport):
+class TorchDistSender(LinkedSender):
     """Headers over the link, each bucket's payload as one broadcast from rank 0."""
 
     accepts_views = False
 
     def __init__(self, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> None:
+        super().__init__(info.link_settings(), plan)
         self.info = info
         self.plan = plan
-        self.links = TrainerLinks(info.link_settings(), plan)
         self.device = _default_device(info.device)
         self.group_backend = info.group_backend or _group_backend(self.device)
         self.group: dist.ProcessGroup | None = None
@@ -214,7 +214,7 @@ class TorchDistSender(SenderTransport):
             "world_size": info.num_workers + 1,
             "group_backend": self.group_backend,
         }
-        await self.links.rendezvous(fields, init_workers)
+        await super().rendezvous(fields, init_workers)
         if len(self.links.peers) != info.num_workers:
             raise TransferError(
                 f"num_workers is {info.num_workers} but {len(self.links.peers)} worker(s) joined"
@@ -237,17 +237,13 @@ class TorchDistSender(SenderTransport):
                 self.group = await anyio.to_thread.run_sync(create)
         return self.group
 
-    @property
-    def num_workers(self) -> int:
-        return len(self.links.peers)
-
     def check_usable(self) -> None:
-        self.links.check_usable()
+        super().check_usable()
         if self.store is None:
             raise TransferError("the torch_dist group is gone; call trainer_init again")
 
     async def begin_round(self, round_id: int) -> None:
-        await self.links.wait_ready(round_id)
+        await super().begin_round(round_id)
         await self._form_group()
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
@@ -273,18 +269,12 @@ class TorchDistSender(SenderTransport):
                     f"again to reconnect"
                 ) from exc.with_traceback(None)  # its frames would keep the group alive
 
-    async def end_round(self) -> None:
-        await self.links.end_round()
-
-    async def abort_round(self, reason: str) -> None:
-        await self.links.abort_round(reason)
-
     def _leave_group(self) -> None:
         group, self.group = self.group, None
         _release_group(group)
 
     def close(self) -> None:
-        self.links.close()
+        super().close()
         self._leave_group()
         self.store = None
         self._staging = [None] * len(self._staging)
