@@ -10,6 +10,12 @@ Where a parameter's bytes can land where they are applied (a plain model, a CPU
 parameter that is contiguous and already of the wire dtype, no transform), the
 receiver writes straight into it and the applier has nothing left to do: a
 received byte is copied once, by the kernel.
+
+A parameter larger than a bucket arrives in chunks. Where nothing needs it whole
+(no transform, no `load_weights`), each chunk is copied into its element range as
+it arrives, so a large parameter costs no memory beyond the receive buffers.
+Otherwise it is reassembled in a parameter-sized buffer, which is reused by the
+next round unless `load_weights` (which may keep the tensor) received it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from ._bytes import byte_view
 from ._exceptions import ApplyError
+from ._meta import ParamMeta
 from ._plan import Bucket, TransferPlan
 
 __all__ = ["DeferredApplier", "ModelTarget", "Transform"]
@@ -51,6 +58,9 @@ class ModelTarget:
     """Where received parameters are written: the model's own, or the shadow copy."""
     direct: tuple[bool, ...]
     """Per plan parameter: whether its bytes are received straight into `params`."""
+    chunks_land: tuple[bool, ...]
+    """Per plan parameter: whether a chunk of it is copied into its element range of
+    `params` as it arrives (nothing needs the whole tensor), instead of reassembled."""
     commit: Callable[[], None] | None = None
     """Staged only: moves the shadow copy into the model (None when unstaged)."""
 
@@ -81,7 +91,8 @@ class ModelTarget:
         if callable(load):
             if staged:
                 return cls._staged_loader(model, plan, transform, load, in_place=in_place)
-            return cls(model, plan, transform, load, params, (False,) * len(plan.params))
+            none = (False,) * len(plan.params)
+            return cls(model, plan, transform, load, params, none, none)
         live: dict[str, torch.Tensor] = {}
         for meta in plan.params:
             param = params.get(meta.name)
@@ -117,7 +128,11 @@ class ModelTarget:
             and params[meta.name].is_contiguous()
             for meta in plan.params
         )
-        return cls(model, plan, transform, None, params, direct, commit)
+        chunks_land = tuple(
+            transform is None and _chunks_align(plan, meta, params[meta.name])
+            for meta in plan.params
+        )
+        return cls(model, plan, transform, None, params, direct, chunks_land, commit)
 
     @classmethod
     def _staged_loader(
@@ -131,9 +146,7 @@ class ModelTarget:
     ) -> ModelTarget:
         """Staged target of a `load_weights` model: the round lands in wire-format
         tensors; transform and `load_weights` run on all of them at commit."""
-        shadow = {
-            meta.name: torch.empty(meta.shape, dtype=meta.dtype) for meta in plan.params
-        }
+        shadow = {meta.name: torch.empty(meta.shape, dtype=meta.dtype) for meta in plan.params}
 
         def commit() -> None:
             ready = [
@@ -144,11 +157,27 @@ class ModelTarget:
                 load(ready)
 
         direct = (in_place,) * len(plan.params)
-        return cls(model, plan, None, None, shadow, direct, commit)
+        chunks_land = tuple(_chunks_align(plan, meta, shadow[meta.name]) for meta in plan.params)
+        return cls(model, plan, None, None, shadow, direct, chunks_land, commit)
 
     def landing_view(self, index: int) -> memoryview:
         """The bytes of plan parameter `index` where it is applied (direct landing)."""
         return byte_view(self.params[self.plan.params[index].name].data)
+
+    def chunk_destination(self, index: int, start: int, nbytes: int) -> torch.Tensor:
+        """The elements of plan parameter `index` that its wire bytes `[start, start +
+        nbytes)` hold, in `params` (only where `chunks_land[index]`)."""
+        meta = self.plan.params[index]
+        size = meta.dtype.itemsize
+        flat = self.params[meta.name].data.view(-1)
+        return flat[start // size : (start + nbytes) // size]
+
+
+def _chunks_align(plan: TransferPlan, meta: ParamMeta, param: torch.Tensor) -> bool:
+    """Whether any chunk of `meta` can be copied straight into `param`'s elements:
+    `param` is contiguous and every chunk boundary falls between two elements (the
+    plan cuts a large parameter at multiples of the bucket size)."""
+    return param.is_contiguous() and plan.bucket_bytes % meta.dtype.itemsize == 0
 
 
 class DeferredApplier:
@@ -162,6 +191,9 @@ class DeferredApplier:
         """(round, bucket, plan) of each entry of `_futures`, for error messages."""
         self._error: ApplyError | None = None
         self._partial: dict[int, tuple[torch.Tensor, int]] = {}
+        """Chunked parameters being reassembled: buffer and bytes received so far."""
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        """Reassembly buffers free for reuse, by size."""
 
     def submit(
         self,
@@ -246,6 +278,7 @@ class DeferredApplier:
                 if self._error is not None:
                     return  # the round already failed; don't pile on
             ready: list[tuple[str, torch.Tensor]] = []
+            assembled: list[torch.Tensor] = []
             for s in bucket.slices:
                 if target.direct[s.param]:
                     continue
@@ -255,10 +288,16 @@ class DeferredApplier:
                 region = buffer[s.offset : s.offset + s.nbytes]
                 if s.nbytes == meta.nbytes:
                     ready.append((name, _as_tensor(region, meta.dtype, meta.shape)))
-                    continue
-                whole = self._reassemble(s.param, meta.nbytes, s.start, region)
-                if whole is not None:
-                    ready.append((name, _as_tensor(whole, meta.dtype, meta.shape)))
+                elif target.chunks_land[s.param]:
+                    with torch.no_grad():
+                        target.chunk_destination(s.param, s.start, s.nbytes).copy_(
+                            region.view(meta.dtype)
+                        )
+                else:
+                    whole = self._reassemble(s.param, meta.nbytes, s.start, region)
+                    if whole is not None:
+                        assembled.append(whole)
+                        ready.append((name, _as_tensor(whole, meta.dtype, meta.shape)))
             if target.transform is not None:
                 transformed = []
                 for name, tensor in ready:
@@ -275,6 +314,7 @@ class DeferredApplier:
                     for name, tensor in ready:
                         where = repr(name)
                         target.params[name].data.copy_(tensor)
+                self._reuse(assembled)  # copied out: the next round may fill them again
         except BaseException as exc:
             error = ApplyError(
                 f"round {round_id}, bucket {bucket.index}: applying parameter {where} failed: "
@@ -298,7 +338,8 @@ class DeferredApplier:
         with self._lock:
             whole, got = self._partial.get(index, (None, 0))
             if whole is None:
-                whole = torch.empty(nbytes, dtype=torch.uint8)
+                spare = self._spare.get(nbytes)
+                whole = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8)
             self._partial[index] = (whole, got)
         whole[start : start + region.numel()].copy_(region)
         with self._lock:
@@ -309,6 +350,17 @@ class DeferredApplier:
                 return None
             del self._partial[index]
             return whole
+
+    def _reuse(self, buffers: list[torch.Tensor]) -> None:
+        """Keep reassembly buffers whose contents were copied out, for the next round.
+
+        At most as many of a size are kept as were in use at once, so the spares
+        never outgrow one round's peak.
+        """
+        if buffers:
+            with self._lock:
+                for buffer in buffers:
+                    self._spare.setdefault(buffer.numel(), []).append(buffer)
 
 
 def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
