@@ -10,8 +10,10 @@ the data in hand. Targets live in this module so that `spawn` can import them by
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,7 +51,9 @@ def run_ranks(
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=target, args=(rank, world_size, port, str(out_dir)), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(target, rank, world_size, port, str(out_dir)), daemon=True
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -69,7 +73,8 @@ def run_ranks(
             if not proc.is_alive():
                 proc.close()
     assert not hung, f"ranks {hung} still running after {timeout_s} s (killed)"
-    assert codes == [0] * world_size, f"rank exit codes: {codes}"
+    written = [(Path(out_dir) / f"rank{rank}.pkl").exists() for rank in range(world_size)]
+    assert codes == [0] * world_size, f"rank exit codes: {codes}; results written: {written}"
     results = []
     for rank in range(world_size):
         with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
@@ -77,8 +82,40 @@ def run_ranks(
     return results
 
 
+def _rank_main(
+    target: Callable[[int, int, int, str], None],
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+) -> None:
+    """Run `target` in a spawned rank, then leave without interpreter finalization.
+
+    Everything a test checks is written to `out_dir` before `target` returns. What
+    finalization would add is gloo's C++ threads being torn down while Python
+    objects go away, which can abort the process (SIGABRT, "terminate called without
+    an active exception"; seen once in CI on a rank whose rounds had all passed), so
+    a rank exits with `os._exit` instead: 0 once `target` returned, 1 if it raised.
+    """
+    code = 1
+    try:
+        target(rank, world_size, port, out_dir)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _init(rank: int, world_size: int, port: int) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    # A rank killed by a signal (SIGABRT from C++, say) prints every thread's stack.
+    faulthandler.enable(all_threads=True)
 
     torch.set_num_threads(1)
     dist.init_process_group(
