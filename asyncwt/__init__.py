@@ -21,6 +21,7 @@ from ._exceptions import AsyncwtError as AsyncwtError
 from ._exceptions import AuthenticationError as AuthenticationError
 from ._exceptions import ControlPlaneError as ControlPlaneError
 from ._exceptions import PlanMismatchError as PlanMismatchError
+from ._exceptions import StaleRoundError as StaleRoundError
 from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import SourceMismatchError as SourceMismatchError
 from ._exceptions import TransferAbortedError as TransferAbortedError
@@ -82,6 +83,7 @@ __all__ = [
     "Shard",
     "ShmTrainerInitInfo",
     "SourceMismatchError",
+    "StaleRoundError",
     "SyncTrainerEngine",
     "TcpTrainerEngine",
     "TcpTrainerInitInfo",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ._bytes import byte_view
-from ._exceptions import ApplyError
+from ._exceptions import ApplyError, PlanMismatchError
 from ._meta import ParamMeta
 from ._plan import Bucket, TransferPlan
 
@@ -74,7 +74,7 @@ class ModelTarget:
         in_place: bool = True,
         staged: bool = False,
     ) -> ModelTarget:
-        """Match `plan` against `model`; a parameter it cannot take is a `ValueError`.
+        """Match `plan` against `model`; a parameter it cannot take is a `PlanMismatchError`.
 
         A model with `load_weights` (vLLM's models) takes whatever it accepts, so
         nothing is checked up front; otherwise every plan parameter must exist in
@@ -97,12 +97,12 @@ class ModelTarget:
         for meta in plan.params:
             param = params.get(meta.name)
             if param is None:
-                raise ValueError(
+                raise PlanMismatchError(
                     f"the worker's model has no parameter {meta.name!r} that the trainer sends "
                     f"(it has {len(params)} parameters); load_weights is not defined to map names"
                 )
             if tuple(param.shape) != meta.shape:
-                raise ValueError(
+                raise PlanMismatchError(
                     f"parameter {meta.name!r}: the worker's shape is {tuple(param.shape)}, "
                     f"the trainer sends {meta.shape}"
                 )

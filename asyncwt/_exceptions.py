@@ -27,6 +27,7 @@ __all__ = [
     "PlanMismatchError",
     "ProtocolError",
     "SourceMismatchError",
+    "StaleRoundError",
     "TransferAbortedError",
     "TransferError",
     "TransferTimeoutError",
@@ -37,8 +38,13 @@ class AsyncwtError(Exception):
     """Root of every error asyncwt raises about a transfer."""
 
 
-class PlanMismatchError(AsyncwtError):
-    """The two ends of a transfer derived different plans (metadata or wire parameters)."""
+class PlanMismatchError(AsyncwtError, ValueError):
+    """The two ends of a transfer derived different plans (metadata or wire parameters),
+    or the trainer's plan does not fit the worker's model."""
+
+
+class StaleRoundError(AsyncwtError, ValueError):
+    """A round id that does not follow the last one: a replayed or reordered round."""
 
 
 class SourceMismatchError(AsyncwtError):

@@ -33,6 +33,10 @@ __all__ = [
 PLAN_FORMAT = 1
 DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_ALIGNMENT = 64
+MAX_BUCKETS = 1 << 20
+"""Most buckets a plan may have (a bucket index travels as 32 bits): a plan that
+declares more is refused before it is laid out, so a hostile or broken init
+cannot make a worker build one without end."""
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -112,6 +116,12 @@ class TransferPlan:
                 f"bucket_bytes should be a multiple of alignment ({alignment}), got {bucket_bytes}"
             )
         params = tuple(params)
+        upper = sum(max(1, -(-p.nbytes // bucket_bytes)) for p in params)
+        if upper > MAX_BUCKETS:
+            raise ValueError(
+                f"the plan would need up to {upper} buckets of {bucket_bytes} bytes, more "
+                f"than MAX_BUCKETS ({MAX_BUCKETS}); raise bucket_bytes"
+            )
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -171,7 +181,7 @@ class TransferPlan:
                 params, bucket_bytes=int(data["bucket_bytes"]), alignment=int(data["alignment"])
             )
             digest = str(data["digest"])
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, OverflowError) as exc:
             raise ValueError(f"plan description is malformed: {exc!r}") from exc
         plan.check_digest(digest, where="the trainer's plan")
         return plan

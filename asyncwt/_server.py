@@ -10,11 +10,12 @@ Routes (every answer is JSON; an error is `{"error": message}`, never a stack tr
     GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
                                "backend", "initialized"}
 
-400: the body is not a JSON object, has unknown keys or values of the wrong type, or
-the engine rejected the info (`ValueError`/`TypeError` from `parse_*_info`). 409: the
-call needs an initialised transfer engine (init it first). 413: the body is larger
-than `max_body_bytes`. 500: the engine failed (`"<ExceptionType>: message"`; the
-traceback goes to the server log). An unknown route or method is a JSON 404 or 405.
+400: the body cannot be read (cut short, or not in its Content-Encoding), is not a
+JSON object, has unknown keys or values of the wrong type, or the engine rejected the
+info (`ValueError`/`TypeError` from `parse_*_info`). 409: the call needs an
+initialised transfer engine (init it first). 413: the body is larger than
+`max_body_bytes`. 500: the engine failed (`"<ExceptionType>: message"`; the traceback
+goes to the server log). An unknown route or method is a JSON 404 or 405.
 
 `weight_version` is the version of the last round that completed (a failed round
 never changes it); `weights_incomplete` is true while the model holds a mix left by
@@ -37,7 +38,7 @@ import torch
 from aiohttp import web
 
 from ._checksum import model_checksum
-from ._exceptions import AsyncwtError
+from ._exceptions import AsyncwtError, PlanMismatchError, StaleRoundError
 from ._local_client import finish_engine_round
 from ._registry import create_worker_engine
 from ._worker import WeightTransferConfig, WeightTransferEngine
@@ -127,7 +128,13 @@ async def _in_thread(fn: Callable[[], T]) -> T:
 
 async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]:
     """The request's JSON object body (an empty body is `{}`), with only `allowed` keys."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+        reason = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
+        raise _ApiError(400, f"request body could not be read: {reason}") from None
+    except ConnectionError:  # the client left mid-body: its doing, not the server's
+        raise _ApiError(400, "request body was cut short: the connection closed") from None
     if not raw.strip():
         return {}
     try:
@@ -135,7 +142,9 @@ async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str,
     except ValueError as exc:
         raise _ApiError(400, f"request body should be a JSON object: {exc}") from None
     except RecursionError:
-        raise _ApiError(400, "request body should be a JSON object: it is nested too deeply") from None
+        raise _ApiError(
+            400, "request body should be a JSON object: it is nested too deeply"
+        ) from None
     if not isinstance(body, dict):
         raise _ApiError(400, f"request body should be a JSON object, got a JSON {_json_kind(body)}")
     unknown = sorted(set(body) - allowed)
@@ -146,7 +155,14 @@ async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str,
 
 
 def _json_kind(value: object) -> str:
-    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    kinds = {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+    }
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
@@ -251,9 +267,17 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return web.json_response({"error": exc.reason}, status=exc.status, headers=allow)
+    except (PlanMismatchError, StaleRoundError) as exc:
+        # The request disagrees with the worker's state (its model, its last round).
+        logger.warning(
+            "%s %s refused: %s: %s", request.method, request.path, type(exc).__name__, exc
+        )
+        return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=409)
     except AsyncwtError as exc:
         # An expected failure of a round (aborted, timed out, apply failed): one line.
-        logger.warning("%s %s failed: %s: %s", request.method, request.path, type(exc).__name__, exc)
+        logger.warning(
+            "%s %s failed: %s: %s", request.method, request.path, type(exc).__name__, exc
+        )
         return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
     except Exception as exc:
         # Anything else is a bug: answered the same way, with the traceback in the log.

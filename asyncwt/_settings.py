@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ._plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
+from ._plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
 from ._worker import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 __all__ = ["PipelineSettings", "RoundUpdateInfo", "WorkerPlanInfo", "check_positive"]
@@ -20,6 +20,8 @@ _TIMEOUTS = (
     "rpc_timeout",
 )
 MAX_NUM_BUFFERS = 64
+MAX_ROUND_ID = 2**64 - 1
+"""Round ids travel in frame headers as unsigned 64-bit integers."""
 """Upper bound on `num_buffers` a worker accepts: each is a bucket-sized allocation."""
 
 
@@ -29,6 +31,19 @@ def check_positive(name: str, value: object, kind: type = int) -> None:
     ok = isinstance(value, allowed) and not isinstance(value, bool)
     if not ok or not value > 0 or not math.isfinite(value):  # type: ignore[operator,arg-type]
         raise ValueError(f"{name} should be a positive {kind.__name__}, got {value!r}")
+
+
+def check_host(name: str, value: object) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a host name or address a
+    socket can take: a non-empty str of at most 253 characters that IDNA encodes."""
+    if not isinstance(value, str) or not value or len(value) > 253:
+        raise ValueError(
+            f"{name} should be a host name or address (1-253 characters), got {value!r}"
+        )
+    try:
+        value.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"{name} should be a host name or address, got {value!r}") from None
 
 
 @dataclass
@@ -107,9 +122,14 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     recv_timeout: float = 300.0
     drain_timeout: float = 300.0
 
+    transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
+    """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
+    that a malformed plan is the caller's error before any engine state changes."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.plan, dict):
             raise ValueError(f"plan should be a dict, got {type(self.plan).__name__}")
+        self.transfer_plan = TransferPlan.from_wire(self.plan)
         check_positive("num_buffers", self.num_buffers)
         if self.num_buffers > MAX_NUM_BUFFERS:
             raise ValueError(
@@ -128,6 +148,10 @@ class RoundUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         check_positive("round_id", self.round_id)
+        if self.round_id > MAX_ROUND_ID:
+            raise ValueError(
+                f"round_id should be at most {MAX_ROUND_ID} (64 bits), got {self.round_id}"
+            )
         if not isinstance(self.plan_digest, str) or len(self.plan_digest) != 64:
             raise ValueError(
                 f"plan_digest should be a 64-character hex str, got {self.plan_digest!r}"

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ._link import LinkSettings
-from ._settings import PipelineSettings, RoundUpdateInfo, WorkerPlanInfo, check_positive
+from ._settings import (
+    PipelineSettings,
+    RoundUpdateInfo,
+    WorkerPlanInfo,
+    check_host,
+    check_positive,
+)
 from ._trainer import TrainerInitInfo
 
 __all__ = ["LinkedTrainerInfo", "TcpTrainerInitInfo", "TcpUpdateInfo", "TcpWorkerInitInfo"]
@@ -42,9 +48,12 @@ class LinkedTrainerInfo(PipelineSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host should be a non-empty str, got {self.host!r}")
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port < 65536:
+        check_host("host", self.host)
+        if (
+            not isinstance(self.port, int)
+            or isinstance(self.port, bool)
+            or not 0 <= self.port < 65536
+        ):
             raise ValueError(f"port should be an int in [0, 65535], got {self.port!r}")
         if not isinstance(self.token, str) or len(self.token) < 16:
             raise ValueError(
@@ -87,9 +96,12 @@ class TcpWorkerInitInfo(WorkerPlanInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host should be a non-empty str, got {self.host!r}")
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 < self.port < 65536:
+        check_host("host", self.host)
+        if (
+            not isinstance(self.port, int)
+            or isinstance(self.port, bool)
+            or not 0 < self.port < 65536
+        ):
             raise ValueError(f"port should be an int in [1, 65535], got {self.port!r}")
         if not isinstance(self.token, str) or not self.token:
             raise ValueError("token should be a non-empty str")

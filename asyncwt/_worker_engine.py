@@ -16,7 +16,13 @@ from typing import Any, ClassVar
 import torch
 
 from ._applier import DeferredApplier, ModelTarget
-from ._exceptions import ApplyError, TransferAbortedError, TransferError, TransferTimeoutError
+from ._exceptions import (
+    ApplyError,
+    StaleRoundError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
 from ._lanes import staging_buffer
 from ._plan import TransferPlan
 from ._settings import RoundUpdateInfo, WorkerPlanInfo
@@ -146,7 +152,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         `ApplyError` if the old connection's background apply is still stuck after
         `drain_timeout`.
         """
-        plan = TransferPlan.from_wire(init_info.plan)
+        plan = init_info.transfer_plan
         target = self._resolve(self.model, plan)
         receiver = self.make_receiver(init_info, plan)
         receiver.connect()
@@ -181,8 +187,9 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         receiver, plan, target = self._require_init()
         plan.check_digest(update_info.plan_digest, where=f"round {update_info.round_id}")
         if update_info.round_id <= self._last_round:
-            raise ValueError(
-                f"round_id should increase: got {update_info.round_id} after {self._last_round}"
+            raise StaleRoundError(
+                f"round_id should increase: got {update_info.round_id} after {self._last_round} "
+                f"(a replayed or reordered update_weights)"
             )
         round_id = self._last_round = update_info.round_id
         if not self._receiving.acquire(timeout=self._recv_timeout):

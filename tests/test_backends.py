@@ -218,7 +218,7 @@ async def test_plan_digest_mismatch_fails_before_any_data_moves(
         async with engine:
             with pytest.raises(
                 ControlPlaneError,
-                match=r"HTTP 500: PlanMismatchError: round 1000: transfer plan digest 0{16}… does not "
+                match=r"HTTP 409: PlanMismatchError: round 1000: transfer plan digest 0{16}… does not "
                 r"match this side's [0-9a-f]{16}…; both ends must use the same metadata",
             ):
                 await client.update_weights({"round_id": 1000, "plan_digest": "0" * 64})
