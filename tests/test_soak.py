@@ -36,6 +36,8 @@ RSS_SLACK = 24 << 20
 flat for tcp; shm and torch_dist workers grow 10-20 MiB and then plateau (allocator
 arenas of the server's thread pool, gloo's buffers). A leak of 600 KiB or more per
 round (half this model) exceeds it; descriptors and threads are checked exactly."""
+SAMPLE_EVERY = 5
+"""Rounds between resource samples after the warm-up (for the printed slopes)."""
 THREAD_SLACK = 4
 """The worker server's thread pool grows and shrinks with concurrent requests."""
 
@@ -51,6 +53,7 @@ async def test_many_rounds_keep_memory_and_descriptors_flat(backend: str) -> Non
             engine = await trainer_init(info_for(backend), client=client, source=source)
             async with engine:
                 marks: dict[str, int] = {}
+                samples: list[tuple[int, dict[str, int]]] = []
                 with anyio.fail_after(max(60.0, 1.5 * ROUNDS)):
                     for r in range(1, ROUNDS + 1):
                         _models.randomize(model, seed=r)
@@ -64,6 +67,8 @@ async def test_many_rounds_keep_memory_and_descriptors_flat(backend: str) -> Non
                         if r == WARMUP:
                             gc.collect()
                             marks = _measure(proc.pid)
+                        if r >= WARMUP and r % SAMPLE_EVERY == 0:
+                            samples.append((r, _measure(proc.pid)))
                 await assert_worker_has(client, model, f"v{ROUNDS}")
                 gc.collect()
                 end = _measure(proc.pid)
@@ -76,6 +81,28 @@ async def test_many_rounds_keep_memory_and_descriptors_flat(backend: str) -> Non
     for key in ("rss", "worker_rss"):
         assert end[key] - marks[key] < RSS_SLACK, (key, marks[key], end[key])
     print(f"{backend}: after round {WARMUP} {marks}, after round {ROUNDS} {end}")
+    half = [(r, m) for r, m in samples if r >= ROUNDS // 2]
+    slopes = {f"{key} per round, from round {WARMUP}": _slope(samples, key) for key in end} | {
+        f"{key} per round, second half": _slope(half, key) for key in ("rss", "worker_rss")
+    }
+    print(
+        f"{backend}: {ROUNDS} rounds; least-squares slopes: "
+        + ", ".join(
+            f"{name} {value:+.1f}" + (" B" if "rss" in name else "")
+            for name, value in slopes.items()
+        )
+    )
+
+
+def _slope(samples: list[tuple[int, dict[str, int]]], key: str) -> float:
+    """Least-squares growth of `key` per round over `samples` (0 with fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [float(r) for r, _ in samples]
+    ys = [float(m[key]) for _, m in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
 
 
 def _measure(worker_pid: int) -> dict[str, int]:
