@@ -53,6 +53,10 @@ def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str
     overlap = report["overlap"]["tcp"]
     assert set(overlap["stage_alone_s"]) == {"gather", "wire", "transform"}
     assert {"gather", "send", "transform"} <= set(overlap["timeline"])
+    pairs = overlap["pairs"]
+    assert set(pairs) == {"gather+wire", "wire+transform"}
+    assert set(pairs["gather+wire"]["stage_alone_s"]) == {"gather", "wire"}
+    assert set(pairs["wire+transform"]["stage_alone_s"]) == {"wire", "transform"}
     assert set(report["memory"]["tcp"]) == {"model_bytes", "direct", "staged"}
     assert {r["mode"] for r in report["sweep"]["tcp"]["rows"]} == {"direct", "staged"}
 
@@ -68,6 +72,9 @@ def test_bench_tiny_every_transfer_is_bit_exact(tiny_run: tuple[dict[str, Any], 
         assert record["worker_checksum"] == expected, path
     assert report["overlap"]["tcp"]["overlapped"]["bit_exact"]
     assert report["overlap"]["tcp"]["more_buffers"]["bit_exact"]
+    for name, pair in report["overlap"]["tcp"]["pairs"].items():
+        assert pair["overlapped"]["bit_exact"], name
+        assert pair["more_buffers"]["bit_exact"], name
 
 
 @pytest.mark.timeout(600)

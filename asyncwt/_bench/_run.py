@@ -329,6 +329,9 @@ def _run_backend(
     report["overlap"][name] = _overlap(
         backend, settings, model, shape, wire, trainer, log, log_dir, env
     )
+    report["overlap"][name]["pairs"] = _overlap_pairs(
+        backend, settings, model, shape, direct, wire, trainer, log, log_dir, env
+    )
 
 
 def _grid(settings: BenchSettings, *, zero_copy: bool) -> list[EngineConfig]:
@@ -398,6 +401,150 @@ def _memory_section(
     return out
 
 
+def _more_buffers(settings: BenchSettings) -> EngineConfig:
+    """The default configuration with one more buffer per apply thread: a receive
+    buffer stays free for the next bucket while every apply thread holds one."""
+    config = settings.config
+    return EngineConfig(
+        bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers + settings.apply_threads
+    )
+
+
+def _slow_transform_worker(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    transform: TransformConfig,
+    log_dir: Path,
+    env: dict[str, str],
+    *,
+    role: str,
+) -> tuple[Child, str]:
+    """An `asyncwt worker` whose transform is the bench's slow identity."""
+    return start_asyncwt_worker(
+        backend=backend.name, log_dir=log_dir, env={**env, TRANSFORM_ENV: transform.to_json()},
+        apply_threads=settings.apply_threads, transform="asyncwt._bench._overlap:bench_transform",
+        role=role,
+    )  # fmt: skip
+
+
+def _gather_alone(
+    model: torch.nn.Module, delay: float, rounds: Rounds, nbytes: int
+) -> dict[str, Any]:
+    """The simulated gather stage alone: full passes of a `SlowSource`, timed."""
+    slow = SlowSource(model, delay)
+
+    def gather_once() -> float:
+        start = time.perf_counter()
+        for _ in slow.iter_full():
+            pass
+        return time.perf_counter() - start
+
+    return rounds.measure(gather_once, nbytes)
+
+
+def _calibrated_transform_s(settings: BenchSettings, wire_s: float, plan: TransferPlan) -> float:
+    """Transform seconds per full bucket so that the transform stage alone, on the
+    worker's apply threads, takes `transform_x` times `wire_s`."""
+    share = plan.bucket_bytes / plan.total_bytes
+    return settings.transform_x * wire_s * settings.apply_threads * share
+
+
+def _overlap_record(
+    stages: dict[str, float], total: dict[str, Any], more_buffers: dict[str, Any]
+) -> dict[str, Any]:
+    """Stages together (default buffers, and more) against the slowest of them alone."""
+    slowest = max(stages, key=lambda k: stages[k])
+    for record in (total, more_buffers):
+        record.pop("timelines", None)
+    return {
+        "stage_alone_s": stages,
+        "slowest_stage": slowest,
+        "slowest_alone_s": stages[slowest],
+        "overlapped": total,
+        "total_vs_slowest": total["median_s"] / stages[slowest],
+        "more_buffers": {
+            "num_buffers": more_buffers["config"]["num_buffers"],
+            "median_s": more_buffers["median_s"],
+            "rounds_s": more_buffers["rounds_s"],
+            "total_vs_slowest": more_buffers["median_s"] / stages[slowest],
+            "bit_exact": more_buffers.get("bit_exact"),
+        },
+    }
+
+
+def _overlap_pairs(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    direct: dict[str, Any],
+    wire: dict[str, Any],
+    trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
+    log: Log,
+    log_dir: Path,
+    env: dict[str, str],
+) -> dict[str, dict[str, Any]]:
+    """The bar's case: two stages of about the same cost, each pair on its own.
+
+    - `gather+wire`: a slow gathering source (alone = the default run's wire time)
+      into a plain worker, which applies nothing slow;
+    - `wire+transform`: a plain source into a worker whose transform alone takes
+      the transform-hook wire time.
+    Each runs with the default buffers and with one more per apply thread.
+    """
+    config, more = settings.config, _more_buffers(settings)
+    plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
+    rounds = settings.rounds
+    pairs: dict[str, dict[str, Any]] = {}
+
+    # gather + wire, against a plain worker (the headline's configuration).
+    wire_s = direct["median_s"]
+    delay = settings.gather_x * wire_s / shape.num_tensors
+    gather_alone = _gather_alone(model, delay, rounds, plan.total_bytes)
+    worker, url = start_asyncwt_worker(
+        backend=backend.name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
+        role=f"worker-{backend.name}-pair",
+    )  # fmt: skip
+    with worker:
+        log(
+            f"overlap pair: slow gather ({delay * 1e3:.2f} ms/tensor) -> {backend.name}, against {url}"
+        )
+        jobs = [
+            TrainerJob(label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True)
+            for tag, c in (("", config), (", more buffers", more))
+        ]
+        total, more_total = trainer(worker, url, jobs)
+    pairs["gather+wire"] = _overlap_record(
+        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total
+    )
+    pairs["gather+wire"]["gather_s_per_tensor"] = delay
+
+    # wire + transform, against a worker with a slow transform.
+    wire_s = wire["median_s"]
+    s_per_bucket = _calibrated_transform_s(settings, wire_s, plan)
+    transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
+    transform_alone = rounds.measure(
+        lambda: transform_alone_s(model, plan, transform, settings.apply_threads), plan.total_bytes
+    )
+    worker, url = _slow_transform_worker(
+        backend, settings, transform, log_dir, env, role=f"worker-{backend.name}-pair-transform"
+    )
+    with worker:
+        log(
+            f"overlap pair: {backend.name} -> slow transform ({s_per_bucket * 1e3:.2f} ms/bucket), against {url}"
+        )
+        jobs = [
+            TrainerJob(label=f"wire+transform{tag}", config=c, verify=True)
+            for tag, c in (("", config), (", more buffers", more))
+        ]
+        total, more_total = trainer(worker, url, jobs)
+    pairs["wire+transform"] = _overlap_record(
+        {"wire": wire_s, "transform": transform_alone["median_s"]}, total, more_total
+    )
+    pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
+    return pairs
+
+
 def _overlap(
     backend: BackendEntry,
     settings: BenchSettings,
@@ -426,28 +573,14 @@ def _overlap(
     if settings.transform_ms_per_bucket is not None:
         s_per_bucket = settings.transform_ms_per_bucket / 1000
     else:
-        s_per_bucket = (
-            settings.transform_x
-            * wire_s
-            * settings.apply_threads
-            * config.bucket_bytes
-            / plan.total_bytes
-        )
+        s_per_bucket = _calibrated_transform_s(settings, wire_s, plan)
     transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
     log(
         f"overlap: gather {gather_delay * 1e3:.2f} ms/tensor, transform {s_per_bucket * 1e3:.2f} ms/bucket "
         f"on {settings.apply_threads} apply thread(s)"
     )
 
-    slow = SlowSource(model, gather_delay)
-
-    def gather_once() -> float:
-        start = time.perf_counter()
-        for _ in slow.iter_full():
-            pass
-        return time.perf_counter() - start
-
-    gather_alone = rounds.measure(gather_once, plan.total_bytes)
+    gather_alone = _gather_alone(model, gather_delay, rounds, plan.total_bytes)
     transform_alone = rounds.measure(
         lambda: transform_alone_s(model, plan, transform, settings.apply_threads), plan.total_bytes
     )
@@ -457,17 +590,12 @@ def _overlap(
     worker_transform = TransformConfig(
         s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes, events_path=str(events_path)
     )
-    worker, url = start_asyncwt_worker(
-        backend=backend.name, log_dir=log_dir, env={**env, TRANSFORM_ENV: worker_transform.to_json()},
-        apply_threads=settings.apply_threads, transform="asyncwt._bench._overlap:bench_transform",
-        role=f"worker-{backend.name}-overlap",
-    )  # fmt: skip
+    worker, url = _slow_transform_worker(
+        backend, settings, worker_transform, log_dir, env, role=f"worker-{backend.name}-overlap"
+    )
     with worker:
         log(f"overlap: slow gather -> {backend.name} -> slow transform, against {url}")
-        more = EngineConfig(
-            bucket_bytes=config.bucket_bytes,
-            num_buffers=config.num_buffers + settings.apply_threads,
-        )
+        more = _more_buffers(settings)
         jobs = [
             TrainerJob(
                 label=label, config=c, gather_s_per_tensor=gather_delay, verify=True,
@@ -481,10 +609,10 @@ def _overlap(
         "wire": wire_s,
         "transform": transform_alone["median_s"],
     }
-    slowest = max(stages, key=lambda k: stages[k])
     timed = total.pop("timelines")[rounds.warmup :]
     median_round = sorted(timed, key=lambda t: t["wall_s"])[len(timed) // 2]
-    more_buffers.pop("timelines")
+    record = _overlap_record(stages, total, more_buffers)
+    record["more_buffers"]["memory"] = more_buffers["memory"]
     return {
         "config": config.as_dict(),
         "gather_s_per_tensor": gather_delay,
@@ -495,20 +623,8 @@ def _overlap(
             k: wire[k] for k in ("median_s", "rounds_s", "gbps", "stage_busy_s", "config")
         },
         "transform_alone": transform_alone,
-        "overlapped": total,
-        "stage_alone_s": stages,
-        "slowest_stage": slowest,
-        "slowest_alone_s": stages[slowest],
+        **record,
         "sum_of_stages_s": sum(stages.values()),
-        "total_vs_slowest": total["median_s"] / stages[slowest],
         "total_vs_sum": total["median_s"] / sum(stages.values()),
-        "more_buffers": {
-            "num_buffers": more_buffers["config"]["num_buffers"],
-            "median_s": more_buffers["median_s"],
-            "rounds_s": more_buffers["rounds_s"],
-            "total_vs_slowest": more_buffers["median_s"] / stages[slowest],
-            "bit_exact": more_buffers.get("bit_exact"),
-            "memory": more_buffers["memory"],
-        },
         "timeline": median_round,
     }
