@@ -136,9 +136,18 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self, info: WorkerPlanInfo, plan: TransferPlan, *, on_device: bool = False
     ) -> ReceivePool:
         """Receive buffers for transports that receive into worker memory: host memory
-        (pinned when the model is on a GPU), or device memory when `on_device`."""
+        (pinned when the model is on a GPU), or device memory when `on_device`.
+
+        `num_buffers` of them, or `apply_threads + 1` if that is more and applying is
+        slow (a transform or `load_weights` runs): one buffer per apply thread plus
+        the one the next bucket arrives in, so every apply thread can work while the
+        receive goes on. A plain copy into the model needs no more than `num_buffers`.
+        """
+        count = info.num_buffers
+        if self.config.transform is not None or callable(getattr(self.model, "load_weights", None)):
+            count = max(count, self.config.apply_threads + 1)
         return ReceivePool(
-            info.num_buffers, plan.bucket_bytes, self.device, info.recv_timeout, on_device=on_device
+            count, plan.bucket_bytes, self.device, info.recv_timeout, on_device=on_device
         )
 
     # -- init -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The worker's applier on its own: how chunked parameters reach the model.
+"""The worker's applier on its own: chunked parameters, reassembly, receive buffers.
 
 Buckets are packed here exactly as a trainer packs them (slice bytes at the plan's
 offsets), then applied; the transports that carry them are tested across
@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from asyncwt import ModuleSource
+from asyncwt import ModuleSource, TcpWorkerInitInfo, WeightTransferConfig, create_worker_engine
 from asyncwt._applier import DeferredApplier, ModelTarget, Transform
 from asyncwt._bytes import byte_view
 from asyncwt._plan import Bucket, TransferPlan
+from asyncwt._worker_engine import DeferredWorkerEngine
 
 BUCKET = 4096
 
@@ -156,3 +157,34 @@ def test_a_tensor_given_to_load_weights_is_never_reused_by_a_later_round() -> No
         assert loader.kept["big"].data_ptr() != big_after_first.data_ptr()
     finally:
         applier.shutdown()
+
+
+def _pool_size(config: WeightTransferConfig, model: nn.Module, num_buffers: int) -> int:
+    engine = create_worker_engine(config, model=model)
+    assert isinstance(engine, DeferredWorkerEngine)
+    plan = _plan(_Model())
+    info = TcpWorkerInitInfo(
+        plan=plan.to_wire(), num_buffers=num_buffers, host="127.0.0.1", port=1, token="t"
+    )
+    pool = engine.receive_pool(info, plan)
+    return pool._free.qsize()
+
+
+@pytest.mark.parametrize(
+    ("transform", "apply_threads", "num_buffers", "expected"),
+    [
+        (None, 4, 2, 2),  # a plain copy: the trainer's num_buffers
+        (_recording([]), 4, 2, 5),  # a slow apply: one per apply thread + the one receiving
+        (_recording([]), 1, 3, 3),  # never fewer than num_buffers
+    ],
+)
+def test_receive_buffers_let_every_apply_thread_work_while_the_next_bucket_arrives(
+    transform: Transform | None, apply_threads: int, num_buffers: int, expected: int
+) -> None:
+    config = WeightTransferConfig(backend="tcp", apply_threads=apply_threads, transform=transform)
+    assert _pool_size(config, _Model(), num_buffers) == expected
+
+
+def test_a_model_with_load_weights_gets_a_receive_buffer_per_apply_thread() -> None:
+    config = WeightTransferConfig(backend="tcp", apply_threads=3)
+    assert _pool_size(config, _Loader(), num_buffers=2) == 4
