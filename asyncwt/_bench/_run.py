@@ -449,14 +449,24 @@ def _calibrated_transform_s(settings: BenchSettings, wire_s: float, plan: Transf
     return settings.transform_x * wire_s * settings.apply_threads * share
 
 
+def _median_timeline(record: dict[str, Any], warmup: int) -> dict[str, Any] | None:
+    """The timeline of `record`'s median timed round (and drop the others)."""
+    timed: list[dict[str, Any]] = record.pop("timelines", [])[warmup:]
+    if not timed:
+        return None
+    return sorted(timed, key=lambda t: float(t["wall_s"]))[len(timed) // 2]
+
+
 def _overlap_record(
-    stages: dict[str, float], total: dict[str, Any], more_buffers: dict[str, Any]
+    stages: dict[str, float], total: dict[str, Any], more_buffers: dict[str, Any], warmup: int
 ) -> dict[str, Any]:
-    """Stages together (default buffers, and more) against the slowest of them alone."""
+    """Stages together (default buffers, and more) against the slowest of them alone,
+    with the default run's median timeline."""
     slowest = max(stages, key=lambda k: stages[k])
-    for record in (total, more_buffers):
-        record.pop("timelines", None)
+    timeline = _median_timeline(total, warmup)
+    _median_timeline(more_buffers, warmup)
     return {
+        "timeline": timeline,
         "stage_alone_s": stages,
         "slowest_stage": slowest,
         "slowest_alone_s": stages[slowest],
@@ -515,7 +525,7 @@ def _overlap_pairs(
         ]
         total, more_total = trainer(worker, url, jobs)
     pairs["gather+wire"] = _overlap_record(
-        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total
+        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, rounds.warmup
     )
     pairs["gather+wire"]["gather_s_per_tensor"] = delay
 
@@ -539,7 +549,7 @@ def _overlap_pairs(
         ]
         total, more_total = trainer(worker, url, jobs)
     pairs["wire+transform"] = _overlap_record(
-        {"wire": wire_s, "transform": transform_alone["median_s"]}, total, more_total
+        {"wire": wire_s, "transform": transform_alone["median_s"]}, total, more_total, rounds.warmup
     )
     pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
     return pairs
@@ -609,9 +619,7 @@ def _overlap(
         "wire": wire_s,
         "transform": transform_alone["median_s"],
     }
-    timed = total.pop("timelines")[rounds.warmup :]
-    median_round = sorted(timed, key=lambda t: t["wall_s"])[len(timed) // 2]
-    record = _overlap_record(stages, total, more_buffers)
+    record = _overlap_record(stages, total, more_buffers, rounds.warmup)
     record["more_buffers"]["memory"] = more_buffers["memory"]
     return {
         "config": config.as_dict(),
@@ -626,5 +634,4 @@ def _overlap(
         **record,
         "sum_of_stages_s": sum(stages.values()),
         "total_vs_sum": total["median_s"] / sum(stages.values()),
-        "timeline": median_round,
     }
