@@ -42,9 +42,10 @@ __all__ = ["BucketSink", "PipelineConfig", "StagingPool", "iterate_and_check", "
 class BucketSink(Protocol):
     """Where the send stage delivers buckets: a transport's sending side."""
 
-    accepts_views: ClassVar[bool]
-    """Whether segments may point into the source's own tensors (scatter-gather
-    sends); if not, every slice is packed into `staging(slot)` or the pool."""
+    min_view_bytes: int | None
+    """Slices at least this long may be segments that point into the source's own
+    CPU tensors (scatter-gather sends); shorter ones, and every slice when `None`,
+    are packed into `staging(slot)` or the pool."""
 
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for `slot` (e.g. shared memory), or `None` to
@@ -298,10 +299,10 @@ async def _pack(
     zero_copy: bool,
     clock: StageClock,
 ) -> None:
-    views_ok = zero_copy and sink.accepts_views
+    min_view = sink.min_view_bytes if zero_copy else None
     try:
         async with inbox, outbox:
-            await _pack_each(inbox, handoff, outbox, free_slots, pool, sink, lane, views_ok, clock)
+            await _pack_each(inbox, handoff, outbox, free_slots, pool, sink, lane, min_view, clock)
     finally:
         handoff.close()
 
@@ -314,7 +315,7 @@ async def _pack_each(
     pool: StagingPool,
     sink: BucketSink,
     lane: DeviceLane,
-    views_ok: bool,
+    min_view: int | None,
     clock: StageClock,
 ) -> None:
     async for work in inbox:
@@ -325,7 +326,7 @@ async def _pack_each(
         copies: list[tuple[Slice, torch.Tensor]] = []
         staging: torch.Tensor | None = None
         for s, tensor in zip(work.bucket.slices, work.tensors):
-            if views_ok and tensor.device.type == "cpu":
+            if min_view is not None and s.nbytes >= min_view and tensor.device.type == "cpu":
                 segments.append(byte_view(tensor)[s.start : s.end])
                 continue
             if staging is None:

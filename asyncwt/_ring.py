@@ -30,7 +30,7 @@ __all__ = ["RingReceiver", "RingSender"]
 class RingSender(LinkedSender):
     """Packs buckets into the ring and announces each slot over the link."""
 
-    accepts_views = False
+    min_view_bytes = None
 
     def __init__(self, info: LinkedTrainerInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)

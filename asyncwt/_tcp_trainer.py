@@ -15,7 +15,7 @@ __all__ = ["TcpSender", "TcpTrainerEngine"]
 class TcpSender(LinkedSender):
     """Sends each bucket (header, then its segments, scatter-gather) to every worker."""
 
-    accepts_views = True
+    min_view_bytes = 0
 
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)

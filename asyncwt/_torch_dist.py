@@ -4,9 +4,16 @@ Rank 0 of the trainer and every worker form a process group of their own (gloo o
 the CPU, NCCL on CUDA), built directly from a `TCPStore` that rank 0 hosts, so the
 trainer's default group (FSDP's) is never touched. The authenticated link of the
 `"tcp"` backend carries the round protocol (READY, per-bucket headers, END, ABORT);
-the payload of each bucket is one broadcast. Because every collective is preceded
-by a header on the link, an aborted round never leaves the two sides out of step.
-The group's timeout turns a dead peer into an error instead of a hang.
+the payload of each bucket follows as broadcasts. Because every collective is
+preceded by a header on the link, an aborted round never leaves the two sides out
+of step. The group's timeout turns a dead peer into an error instead of a hang.
+
+Over gloo a slice of at least `DIRECT_BROADCAST_BYTES` is broadcast on its own,
+straight from the trainer's tensor and (where the worker's parameter can take the
+bytes as they are) straight into the worker's parameter; the small slices between
+them are packed and broadcast together. Both sides derive the same broadcasts from
+the plan (`broadcast_units`). Over NCCL every bucket is packed on the device and
+broadcast once.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from ._applier import ModelTarget
 from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
 from ._lanes import staging_buffer
 from ._link import LinkedSender, WorkerLink, connect_link
-from ._plan import Bucket, TransferPlan
+from ._plan import Bucket, Slice, TransferPlan
 from ._settings import check_positive
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._trainer import TrainerInitInfo
@@ -48,6 +55,41 @@ __all__ = [
 ]
 
 _PG_BACKENDS = ("gloo", "nccl")
+
+DIRECT_BROADCAST_BYTES = 1 << 20
+"""Over gloo, a slice at least this long is its own broadcast, without a packing
+copy on the trainer or an unpacking copy on the worker; shorter ones are packed
+(one collective per tiny tensor would cost more than the copies)."""
+
+
+def broadcast_units(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Slice, ...]]:
+    """The broadcasts that carry `bucket`, in order: a slice of at least
+    `direct_bytes` alone, or a run of shorter slices (contiguous in a receive buffer,
+    padding included). `None` packs the whole bucket into one run."""
+    units: list[tuple[Slice, ...]] = []
+    run: list[Slice] = []
+    for s in bucket.slices:
+        if s.nbytes == 0:
+            continue
+        if direct_bytes is not None and s.nbytes >= direct_bytes:
+            if run:
+                units.append(tuple(run))
+                run = []
+            units.append((s,))
+        else:
+            run.append(s)
+    if run:
+        units.append(tuple(run))
+    return units
+
+
+def _is_direct(unit: tuple[Slice, ...], direct_bytes: int | None) -> bool:
+    return direct_bytes is not None and len(unit) == 1 and unit[0].nbytes >= direct_bytes
+
+
+def _run_range(unit: tuple[Slice, ...]) -> slice:
+    """Where a run of slices sits in a bucket-sized buffer."""
+    return slice(unit[0].offset, unit[-1].offset + unit[-1].nbytes)
 
 
 def _group_backend(device: torch.device) -> str:
@@ -115,6 +157,11 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def _broadcast_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        _broadcast(group, tensor)
+
+
 @dataclass
 class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     """Trainer-side settings of the `"torch_dist"` backend.
@@ -149,6 +196,8 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
     group_key: str = ""
     world_size: int = 2
     group_backend: str = "gloo"
+    direct_bytes: int | None = None
+    """Slices at least this long are broadcast on their own (`broadcast_units`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,13 +208,15 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
         if not isinstance(self.group_key, str) or len(self.group_key) != 32:
             raise ValueError(f"group_key should be a 32-character str, got {self.group_key!r}")
         if self.group_backend not in _PG_BACKENDS:
-            raise ValueError(f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}")
+            raise ValueError(
+                f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}"
+            )
+        if self.direct_bytes is not None:
+            check_positive("direct_bytes", self.direct_bytes)
 
 
 class TorchDistSender(LinkedSender):
-    """Headers over the link, each bucket's payload as one broadcast from rank 0."""
-
-    accepts_views = False
+    """Headers over the link, each bucket's payload as broadcasts from rank 0."""
 
     def __init__(self, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
@@ -173,6 +224,7 @@ class TorchDistSender(LinkedSender):
         self.plan = plan
         self.device = _default_device(info.device)
         self.group_backend = info.group_backend or _group_backend(self.device)
+        self.min_view_bytes = DIRECT_BROADCAST_BYTES if self.group_backend == "gloo" else None
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
         self.group_key = ""
@@ -213,6 +265,7 @@ class TorchDistSender(LinkedSender):
             "group_key": self.group_key,
             "world_size": info.num_workers + 1,
             "group_backend": self.group_backend,
+            "direct_bytes": self.min_view_bytes,
         }
         await super().rendezvous(fields, init_workers)
         if len(self.links.peers) != info.num_workers:
@@ -247,8 +300,16 @@ class TorchDistSender(LinkedSender):
         await self._form_group()
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
-        header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot)
-        payload = self.staging(slot)[: bucket.buffer_bytes]
+        header = self.links.frame(
+            FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot
+        )
+        staging = self.staging(slot)
+        payloads = [
+            torch.frombuffer(segments[bucket.slices.index(unit[0])], dtype=torch.uint8)
+            if _is_direct(unit, self.min_view_bytes)
+            else staging[_run_range(unit)]
+            for unit in broadcast_units(bucket, self.min_view_bytes)
+        ]
         assert self.group is not None
         # A header and its broadcast are one unit: once the header is out, every
         # worker waits in the collective, so a cancellation in between would strand
@@ -257,7 +318,7 @@ class TorchDistSender(LinkedSender):
         with anyio.CancelScope(shield=True):
             await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
             try:
-                await anyio.to_thread.run_sync(_broadcast, self.group, payload)
+                await anyio.to_thread.run_sync(_broadcast_all, self.group, payloads)
             except RuntimeError as exc:
                 self.store = None  # the group is unusable: a new trainer_init is needed
                 self._leave_group()  # its sockets close now, not when the engine does
@@ -283,7 +344,13 @@ class TorchDistSender(LinkedSender):
 class TorchDistReceiver(ReceiverTransport):
     """Joins the group at init; receives each announced bucket by broadcast."""
 
-    def __init__(self, info: TorchDistWorkerInitInfo, plan: TransferPlan, pool: ReceivePool, device: torch.device) -> None:
+    def __init__(
+        self,
+        info: TorchDistWorkerInitInfo,
+        plan: TransferPlan,
+        pool: ReceivePool,
+        device: torch.device,
+    ) -> None:
         self.info = info
         self.plan = plan
         self.pool = pool
@@ -337,7 +404,7 @@ class TorchDistReceiver(ReceiverTransport):
         assert link is not None
         try:
             with link.guard(round_id):
-                yield from self._receive(link, round_id)
+                yield from self._receive(link, round_id, target)
         except TransferAbortedError:
             raise  # at a frame boundary: the group stays in step
         except BaseException:
@@ -347,7 +414,9 @@ class TorchDistReceiver(ReceiverTransport):
             self._leave_group()
             raise
 
-    def _receive(self, link: WorkerLink, round_id: int) -> Iterator[ReceivedBucket]:
+    def _receive(
+        self, link: WorkerLink, round_id: int, target: ModelTarget
+    ) -> Iterator[ReceivedBucket]:
         for frame in link.frames(round_id, after_ready=self._form_group):
             # No local reference to the group: a traceback through this frame must
             # not keep it (and its sockets) alive after it is released.
@@ -355,7 +424,7 @@ class TorchDistReceiver(ReceiverTransport):
             bucket = self.plan.buckets[frame.index]
             buffer, release = self.pool.take()
             try:
-                _broadcast(self.group, buffer[: bucket.buffer_bytes])
+                self._receive_bucket(bucket, buffer, target)
             except RuntimeError as exc:
                 release()
                 error = TransferTimeoutError if _timed_out(exc) else TransferError
@@ -368,6 +437,29 @@ class TorchDistReceiver(ReceiverTransport):
                 release()
                 raise
             yield ReceivedBucket(bucket, buffer, release)
+
+    def _receive_bucket(self, bucket: Bucket, buffer: torch.Tensor, target: ModelTarget) -> None:
+        """Receive `bucket`'s broadcasts: a parameter the model takes as it is gets its
+        bytes in place (a long slice directly, a short one copied out of `buffer`),
+        everything else lands in `buffer` at its plan offset for the applier."""
+        assert self.group is not None
+        direct_bytes = self.info.direct_bytes
+        for unit in broadcast_units(bucket, direct_bytes):
+            if _is_direct(unit, direct_bytes):
+                s = unit[0]
+                if target.direct[s.param]:
+                    view = target.landing_view(s.param)[s.start : s.end]
+                    _broadcast(self.group, torch.frombuffer(view, dtype=torch.uint8))
+                else:
+                    _broadcast(self.group, buffer[s.offset : s.offset + s.nbytes])
+                continue
+            _broadcast(self.group, buffer[_run_range(unit)])
+            for s in unit:
+                if target.direct[s.param]:
+                    landing = target.landing_view(s.param)[s.start : s.end]
+                    torch.frombuffer(landing, dtype=torch.uint8).copy_(
+                        buffer[s.offset : s.offset + s.nbytes]
+                    )
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None
@@ -394,7 +486,6 @@ class TorchDistWorkerEngine(DeferredWorkerEngine):
     """Worker engine of the `"torch_dist"` backend: receives by broadcast, applies deferred."""
 
     init_info_cls = TorchDistWorkerInitInfo
-    receives_in_place = False
 
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         pool = self.receive_pool(info, plan, on_device=info.group_backend == "nccl")

@@ -27,8 +27,9 @@ InitWorkers = Callable[[dict[str, Any]], Awaitable[None]]
 class SenderTransport(ABC):
     """Trainer side of a data plane (rank 0 only): delivers every bucket to every worker."""
 
-    accepts_views: ClassVar[bool] = False
-    """Whether `send_bucket` can take segments that point into source tensors."""
+    min_view_bytes: int | None = None
+    """Slices at least this long may reach `send_bucket` as segments that point into
+    the source's own (CPU) tensors; shorter ones, and all with `None`, are packed."""
 
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for pipeline slot `slot`, or `None` for the pool's."""

@@ -38,6 +38,29 @@ def mixed() -> nn.Module:
     return Mixed()
 
 
+LARGE_BUCKET_BYTES = 4 << 20
+"""Buckets for `large_slices`: big enough that slices of 1 MiB and more occur."""
+
+
+class LargeSlices(nn.Module):
+    """Slices of a MiB and more between small ones, so that backends which treat long
+    slices apart (torch_dist broadcasts them on their own) meet both kinds in a bucket,
+    and one parameter chunked over several buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+        self.a = nn.Parameter(torch.zeros(512, 1024))  # 2 MiB
+        self.tiny = nn.Parameter(torch.zeros(3, 3, dtype=torch.float16))
+        self.c = nn.Parameter(torch.zeros(1024, 700, dtype=torch.float16))  # 1.4 MiB
+        self.b = nn.Parameter(torch.zeros(3 * 1024 * 1024 + 5, dtype=torch.bfloat16))  # 6 MiB: chunked
+        self.tail = nn.Parameter(torch.zeros(7))
+
+
+def large_slices() -> nn.Module:
+    return LargeSlices()
+
+
 def many_tiny() -> nn.Module:
     return nn.ParameterList([nn.Parameter(torch.zeros(3)) for _ in range(5000)])
 

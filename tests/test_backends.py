@@ -102,6 +102,28 @@ async def test_background_copy_path_is_bit_exact(backend: str) -> None:
 
 
 @uvloop_only
+@pytest.mark.parametrize("transform", [False, True], ids=["in-place", "through-buffers"])
+async def test_slices_of_a_mib_and_more_among_small_ones(backend: str, transform: bool) -> None:
+    """Long slices (torch_dist broadcasts them on their own, into the parameter when
+    it can take them) between short ones, and a parameter chunked over buckets."""
+    args = ("--backend", backend)
+    if transform:
+        args += ("--transform", "_models:identity_transform")
+    with worker_process("_models:large_slices", *args, env=worker_env()) as url:
+        async with HttpClient(url) as client:
+            model = _models.large_slices()
+            info = info_for(backend, bucket_bytes=_models.LARGE_BUCKET_BYTES)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                sizes = [s.nbytes for b in engine.plan.buckets for s in b.slices]
+                assert any(n >= 1 << 20 for n in sizes) and any(n < 1 << 10 for n in sizes)
+                for r in (1, 2):
+                    _models.randomize(model, seed=r)
+                    await engine.send_weights(weight_version=f"v{r}")
+                    await assert_worker_has(client, model, f"v{r}")
+
+
+@uvloop_only
 async def test_five_thousand_tiny_tensors(backend: str) -> None:
     with worker_process("_models:many_tiny", "--backend", backend, env=worker_env()) as url:
         async with HttpClient(url) as client:
