@@ -21,9 +21,9 @@ from ._exceptions import AsyncwtError as AsyncwtError
 from ._exceptions import AuthenticationError as AuthenticationError
 from ._exceptions import ControlPlaneError as ControlPlaneError
 from ._exceptions import PlanMismatchError as PlanMismatchError
-from ._exceptions import StaleRoundError as StaleRoundError
 from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import SourceMismatchError as SourceMismatchError
+from ._exceptions import StaleRoundError as StaleRoundError
 from ._exceptions import TransferAbortedError as TransferAbortedError
 from ._exceptions import TransferError as TransferError
 from ._exceptions import TransferTimeoutError as TransferTimeoutError

@@ -315,7 +315,7 @@ class DeferredApplier:
                         where = repr(name)
                         target.params[name].data.copy_(tensor)
                 self._reuse(assembled)  # copied out: the next round may fill them again
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost
             error = ApplyError(
                 f"round {round_id}, bucket {bucket.index}: applying parameter {where} failed: "
                 f"{type(exc).__name__}: {exc}"

@@ -21,7 +21,7 @@ import functools
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import anyio
 import anyio.to_thread

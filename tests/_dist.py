@@ -101,7 +101,7 @@ def _rank_main(
     try:
         target(rank, world_size, port, out_dir)
         code = 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure becomes the rank's exit code 1
         traceback.print_exc()
     finally:
         sys.stdout.flush()

@@ -7,10 +7,9 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import _dist
 import _models
+import torch
 
 ROUNDS = 2
 
@@ -32,9 +31,9 @@ def fsdp_push(rank: int, world_size: int, port: int, out_dir: str) -> None:
         ShmTrainerInitInfo,
         TcpTrainerInitInfo,
         TorchDistTrainerInitInfo,
+        model_checksum,
         trainer_init,
     )
-    from asyncwt import model_checksum
 
     _dist._init(rank, world_size, port)
     torch.manual_seed(0)

@@ -10,7 +10,14 @@ import _models
 import pytest
 import torch
 
-from asyncwt import HttpClient, ModuleSource, WeightTransferConfig, create_worker_engine, model_checksum, trainer_init
+from asyncwt import (
+    HttpClient,
+    ModuleSource,
+    WeightTransferConfig,
+    create_worker_engine,
+    model_checksum,
+    trainer_init,
+)
 from asyncwt._launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
