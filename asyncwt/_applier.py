@@ -33,7 +33,7 @@ from ._exceptions import ApplyError, PlanMismatchError
 from ._meta import ParamMeta
 from ._plan import Bucket, TransferPlan
 
-__all__ = ["DeferredApplier", "ModelTarget", "Transform"]
+__all__ = ["DeferredApplier", "ModelTarget", "Transform", "weights_loader"]
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 """A per-parameter hook `(name, tensor) -> tensor` run before loading (cast, quantise)."""
@@ -86,9 +86,9 @@ class ModelTarget:
         `load_weights`, in the wire dtype on the CPU, and `transform` and
         `load_weights` then run at commit).
         """
-        load = getattr(model, "load_weights", None)
+        load = weights_loader(model)
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
-        if callable(load):
+        if load is not None:
             if staged:
                 return cls._staged_loader(model, plan, transform, load, in_place=in_place)
             none = (False,) * len(plan.params)
@@ -171,6 +171,15 @@ class ModelTarget:
         size = meta.dtype.itemsize
         flat = self.params[meta.name].data.view(-1)
         return flat[start // size : (start + nbytes) // size]
+
+
+def weights_loader(
+    model: torch.nn.Module,
+) -> Callable[[list[tuple[str, torch.Tensor]]], object] | None:
+    """The model's `load_weights` (vLLM's models have one), or None: such a model
+    takes whole tensors by name instead of copies into `named_parameters()`."""
+    load = getattr(model, "load_weights", None)
+    return load if callable(load) else None
 
 
 def _chunks_align(plan: TransferPlan, meta: ParamMeta, param: torch.Tensor) -> bool:

@@ -304,8 +304,9 @@ class TorchDistSender(LinkedSender):
             FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot
         )
         staging = self.staging(slot)
+        segment_of = dict(zip(bucket.slices, segments))
         payloads = [
-            torch.frombuffer(segments[bucket.slices.index(unit[0])], dtype=torch.uint8)
+            torch.frombuffer(segment_of[unit[0]], dtype=torch.uint8)
             if _is_direct(unit, self.min_view_bytes)
             else staging[_run_range(unit)]
             for unit in broadcast_units(bucket, self.min_view_bytes)

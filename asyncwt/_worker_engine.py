@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._applier import DeferredApplier, ModelTarget
+from ._applier import DeferredApplier, ModelTarget, weights_loader
 from ._exceptions import (
     ApplyError,
     StaleRoundError,
@@ -144,7 +144,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         receive goes on. A plain copy into the model needs no more than `num_buffers`.
         """
         count = info.num_buffers
-        if self.config.transform is not None or callable(getattr(self.model, "load_weights", None)):
+        if self.config.transform is not None or weights_loader(self.model) is not None:
             count = max(count, self.config.apply_threads + 1)
         return ReceivePool(
             count, plan.bucket_bytes, self.device, info.recv_timeout, on_device=on_device
