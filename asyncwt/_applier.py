@@ -7,22 +7,29 @@ are kept, never lost: `drain()` waits for everything and raises the first one,
 naming the parameter.
 
 Where a parameter's bytes can land where they are applied (a plain model, a CPU
-parameter that is contiguous and already of the wire dtype, no transform), the
-receiver writes straight into it and the applier has nothing left to do: a
-received byte is copied once, by the kernel.
+parameter that is contiguous and already of the wire dtype, no transform or an
+elementwise one), the receiver writes straight into it and the applier has
+nothing left to do but run the elementwise transform there, in place: a received
+byte is copied once, by the kernel.
 
 A parameter larger than a bucket arrives in chunks. Where nothing needs it whole
-(no transform, no `load_weights`), each chunk is copied into its element range as
-it arrives, so a large parameter costs no memory beyond the receive buffers.
-Otherwise it is reassembled in a parameter-sized buffer, which is reused by the
-next round unless `load_weights` (which may keep the tensor) received it.
+(no `load_weights`, and no transform or an elementwise one), each chunk is
+transformed and copied into its element range as it arrives, so a large parameter
+costs no memory beyond the receive buffers. Otherwise it is reassembled in a
+parameter-sized buffer, which is reused by the next round unless `load_weights`
+(which may keep the tensor) received it.
+
+Work that lands element by element is divisible: a bucket's share of it is cut
+into up to `threads` parts of about equal bytes (`split_runs`), applied in
+parallel, and the bucket's buffer is released when its last part finishes. So a
+large tensor at the end of a round is not left to one thread after the last byte.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,9 +38,22 @@ import torch
 from ._bytes import byte_view
 from ._exceptions import ApplyError, PlanMismatchError
 from ._meta import ParamMeta
-from ._plan import Bucket, TransferPlan
+from ._plan import Bucket, Slice, TransferPlan
 
-__all__ = ["DeferredApplier", "ModelTarget", "Transform", "weights_loader"]
+__all__ = [
+    "MIN_PART_BYTES",
+    "DeferredApplier",
+    "ModelTarget",
+    "Piece",
+    "Transform",
+    "bucket_parts",
+    "split_runs",
+    "weights_loader",
+]
+
+MIN_PART_BYTES = 1 << 20
+"""A bucket's elementwise work is split among the apply threads only into parts of
+at least this many bytes: below it a thread hand-off costs more than it saves."""
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 """A per-parameter hook `(name, tensor) -> tensor` run before loading (cast, quantise)."""
@@ -57,10 +77,12 @@ class ModelTarget:
     params: dict[str, torch.Tensor]
     """Where received parameters are written: the model's own, or the shadow copy."""
     direct: tuple[bool, ...]
-    """Per plan parameter: whether its bytes are received straight into `params`."""
+    """Per plan parameter: whether its bytes are received straight into `params` (an
+    elementwise transform then runs there, in place, once they have arrived)."""
     chunks_land: tuple[bool, ...]
-    """Per plan parameter: whether a chunk of it is copied into its element range of
-    `params` as it arrives (nothing needs the whole tensor), instead of reassembled."""
+    """Per plan parameter: whether any run of its bytes is transformed (elementwise)
+    and copied into its element range of `params` as it arrives (nothing needs the
+    whole tensor), instead of being reassembled or handed over whole."""
     commit: Callable[[], None] | None = None
     """Staged only: moves the shadow copy into the model (None when unstaged)."""
 
@@ -71,6 +93,7 @@ class ModelTarget:
         plan: TransferPlan,
         transform: Transform | None,
         *,
+        elementwise: bool = False,
         in_place: bool = True,
         staged: bool = False,
     ) -> ModelTarget:
@@ -85,6 +108,10 @@ class ModelTarget:
         parameter, in the model's dtype and on its device (for a model with
         `load_weights`, in the wire dtype on the CPU, and `transform` and
         `load_weights` then run at commit).
+
+        `elementwise=True` says `transform` may be given any contiguous run of a
+        parameter's elements, flat (see `WeightTransferConfig.transform_elementwise`);
+        it changes nothing for a model with `load_weights`, which takes whole tensors.
         """
         load = weights_loader(model)
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
@@ -122,14 +149,14 @@ class ModelTarget:
             params = shadow
         direct = tuple(
             in_place
-            and transform is None
+            and (transform is None or elementwise)
             and params[meta.name].device.type == "cpu"
             and params[meta.name].dtype == meta.dtype
             and params[meta.name].is_contiguous()
             for meta in plan.params
         )
         chunks_land = tuple(
-            transform is None and _chunks_align(plan, meta, params[meta.name])
+            (transform is None or elementwise) and _chunks_align(plan, meta, params[meta.name])
             for meta in plan.params
         )
         return cls(model, plan, transform, None, params, direct, chunks_land, commit)
@@ -189,10 +216,82 @@ def _chunks_align(plan: TransferPlan, meta: ParamMeta, param: torch.Tensor) -> b
     return param.is_contiguous() and plan.bucket_bytes % meta.dtype.itemsize == 0
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes `[start, start + nbytes)` of one slice (counted from the slice's first
+    byte): the unit of work that lands elementwise in one call."""
+
+    slice: Slice
+    start: int
+    nbytes: int
+
+
+def split_runs(runs: Sequence[tuple[Slice, int]], parts: int) -> list[list[Piece]]:
+    """Cut `runs` (slices with their element size) into at most `parts` lists of
+    pieces of about equal bytes, in order, cutting only between two elements."""
+    total = sum(s.nbytes for s, _ in runs)
+    if parts < 1:
+        raise ValueError(f"parts should be >= 1, got {parts}")
+    out: list[list[Piece]] = [[] for _ in range(parts)]
+    placed = 0
+    for s, itemsize in runs:
+        done = 0
+        while done < s.nbytes:
+            part = min(parts - 1, placed * parts // total)
+            take = s.nbytes - done
+            if part < parts - 1:
+                room = (part + 1) * total // parts - placed
+                take = min(take, max(itemsize, room // itemsize * itemsize))
+            out[part].append(Piece(s, done, take))
+            done += take
+            placed += take
+    return [p for p in out if p]
+
+
+def bucket_parts(
+    target: ModelTarget, bucket: Bucket, threads: int, min_part_bytes: int = MIN_PART_BYTES
+) -> tuple[list[Slice], list[list[Piece]]]:
+    """How the applier divides `bucket`: the slices that need whole-tensor handling
+    (reassembly, a whole-tensor transform, `load_weights`), which stay in one job,
+    and the elementwise work cut into parts for up to `threads` threads (a direct
+    slice is elementwise work only when there is a transform to run in place)."""
+    whole: list[Slice] = []
+    runs: list[tuple[Slice, int]] = []
+    for s in bucket.slices:
+        if target.direct[s.param] and target.transform is None:
+            continue  # landed where it belongs: nothing left to do
+        if target.direct[s.param] or target.chunks_land[s.param]:
+            runs.append((s, target.plan.params[s.param].dtype.itemsize))
+        else:
+            whole.append(s)
+    if not runs:
+        return whole, []
+    nbytes = sum(s.nbytes for s, _ in runs)
+    return whole, split_runs(runs, max(1, min(threads, nbytes // max(1, min_part_bytes))))
+
+
+class _Countdown:
+    """Calls `release` once `count` parts have called `done`."""
+
+    def __init__(self, count: int, release: Callable[[], None]) -> None:
+        self._left = count
+        self._release = release
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._release()
+
+
 class DeferredApplier:
     """Applies received buckets on `threads` background threads."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, *, min_part_bytes: int = MIN_PART_BYTES) -> None:
+        self._threads = threads
+        self._min_part_bytes = min_part_bytes
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="asyncwt-apply")
         self._lock = threading.Lock()
         self._futures: list[Future[None]] = []
@@ -212,11 +311,22 @@ class DeferredApplier:
         buffer: torch.Tensor | None,
         release: Callable[[], None],
     ) -> None:
-        """Queue `bucket` (received into `buffer`) for applying; `release` frees the buffer."""
+        """Queue `bucket` (received into `buffer`) for applying; `release` frees the buffer.
+
+        The bucket becomes one job per part (`bucket_parts`); `release` runs once,
+        after the last of them.
+        """
+        whole, parts = bucket_parts(target, bucket, self._threads, self._min_part_bytes)
+        jobs: list[tuple[list[Slice], list[Piece]]] = [(whole, parts[0] if parts else [])]
+        jobs += [([], part) for part in parts[1:]]
+        countdown = _Countdown(len(jobs), release)
         with self._lock:
-            future = self._executor.submit(self._apply, target, round_id, bucket, buffer, release)
-            self._futures.append(future)
-            self._jobs.append((round_id, bucket, target.plan))
+            for slices, pieces in jobs:
+                future = self._executor.submit(
+                    self._apply, target, round_id, bucket, buffer, slices, pieces, countdown.done
+                )
+                self._futures.append(future)
+                self._jobs.append((round_id, bucket, target.plan))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds for every queued bucket; whether all are done."""
@@ -279,6 +389,8 @@ class DeferredApplier:
         round_id: int,
         bucket: Bucket,
         buffer: torch.Tensor | None,
+        whole: list[Slice],
+        pieces: list[Piece],
         release: Callable[[], None],
     ) -> None:
         where = "?"  # the parameter(s) being worked on, for the error message
@@ -286,27 +398,23 @@ class DeferredApplier:
             with self._lock:
                 if self._error is not None:
                     return  # the round already failed; don't pile on
+            for piece in pieces:
+                where = repr(target.plan.params[piece.slice.param].name)
+                _land(target, buffer, piece)
             ready: list[tuple[str, torch.Tensor]] = []
             assembled: list[torch.Tensor] = []
-            for s in bucket.slices:
-                if target.direct[s.param]:
-                    continue
+            for s in whole:
                 meta = target.plan.params[s.param]
                 name, where = meta.name, repr(meta.name)
                 assert buffer is not None
                 region = buffer[s.offset : s.offset + s.nbytes]
                 if s.nbytes == meta.nbytes:
                     ready.append((name, _as_tensor(region, meta.dtype, meta.shape)))
-                elif target.chunks_land[s.param]:
-                    with torch.no_grad():
-                        target.chunk_destination(s.param, s.start, s.nbytes).copy_(
-                            region.view(meta.dtype)
-                        )
                 else:
-                    whole = self._reassemble(s.param, meta.nbytes, s.start, region)
-                    if whole is not None:
-                        assembled.append(whole)
-                        ready.append((name, _as_tensor(whole, meta.dtype, meta.shape)))
+                    whole_tensor = self._reassemble(s.param, meta.nbytes, s.start, region)
+                    if whole_tensor is not None:
+                        assembled.append(whole_tensor)
+                        ready.append((name, _as_tensor(whole_tensor, meta.dtype, meta.shape)))
             if target.transform is not None:
                 transformed = []
                 for name, tensor in ready:
@@ -314,10 +422,11 @@ class DeferredApplier:
                     transformed.append((name, target.transform(name, tensor)))
                 ready = transformed
             if target.load_weights is not None:
-                names = [n for n, _ in ready]
-                where = repr(names[0]) if len(names) == 1 else f"one of {names}"
-                with torch.no_grad():
-                    target.load_weights(ready)
+                if ready:
+                    names = [n for n, _ in ready]
+                    where = repr(names[0]) if len(names) == 1 else f"one of {names}"
+                    with torch.no_grad():
+                        target.load_weights(ready)
             else:
                 with torch.no_grad():
                     for name, tensor in ready:
@@ -370,6 +479,50 @@ class DeferredApplier:
             with self._lock:
                 for buffer in buffers:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)
+
+
+def _land(target: ModelTarget, buffer: torch.Tensor | None, piece: Piece) -> None:
+    """Transform `piece`'s elements (if there is a transform) and put them in their
+    element range of the parameter.
+
+    A direct slice's bytes are in the parameter already: the transform is given
+    them there, and nothing is copied when it returns them (it worked in place).
+    """
+    s = piece.slice
+    meta = target.plan.params[s.param]
+    destination = target.chunk_destination(s.param, s.start + piece.start, piece.nbytes)
+    if target.direct[s.param]:
+        elements = destination
+    else:
+        assert buffer is not None
+        at = s.offset + piece.start
+        elements = buffer[at : at + piece.nbytes].view(meta.dtype)
+    if target.transform is not None:
+        given = elements.numel()
+        elements = target.transform(meta.name, elements)
+        if not isinstance(elements, torch.Tensor) or elements.numel() != given:
+            got = (
+                elements.numel() if isinstance(elements, torch.Tensor) else type(elements).__name__
+            )
+            raise ValueError(
+                f"an elementwise transform should return a tensor of as many elements as it "
+                f"is given ({given}, a run of the parameter's elements), got {got}"
+            )
+    if _same_memory(elements, destination):
+        return
+    with torch.no_grad():
+        destination.copy_(elements.reshape(-1))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is `b`'s elements as they are (so copying one into the other is moot)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.numel() == b.numel()
+        and a.is_contiguous()
+    )
 
 
 def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -85,6 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     worker.add_argument(
+        "--transform-elementwise",
+        action="store_true",
+        help=(
+            "the --transform works element by element (a cast): it may be given any run "
+            "of a parameter's elements, flat, so chunks land as they arrive and a bucket's "
+            "work is shared among the apply threads"
+        ),
+    )
+    worker.add_argument(
         "--staged",
         action="store_true",
         help=(
@@ -149,6 +158,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             backend=args.backend,
             apply_threads=args.apply_threads,
             transform=transform,  # type: ignore[arg-type]  # checked callable; signature is the user's
+            transform_elementwise=args.transform_elementwise,
             staged=args.staged,
         )
     except ValueError as exc:

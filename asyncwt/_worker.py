@@ -36,6 +36,21 @@ class WeightTransferConfig:
     It runs on the apply threads; it must not keep the tensor it is given (a view of a
     receive buffer that is reused)."""
 
+    transform_elementwise: bool = False
+    """Declare that `transform` works element by element (a cast, a scale, a clamp): it
+    may be called with any contiguous run of a parameter's elements, flattened to 1-D,
+    and returns as many elements (of any dtype: they are cast into the parameter).
+
+    Then a chunk of a parameter larger than a bucket is transformed as it arrives and
+    lands in its element range (no parameter-sized reassembly buffer), and a bucket's
+    work is shared among the apply threads, so a large last tensor does not leave one
+    thread working alone after the round's last byte. Where the parameter is of the
+    wire dtype (and the transport can), the bytes are received straight into it and
+    the transform is given that memory: it may work in place and return its input,
+    and then nothing is copied. A model with `load_weights` still gets whole tensors.
+    Leave it False for a transform that needs the whole tensor (a per-tensor
+    quantisation scale, a reshape)."""
+
     staged: bool = False
     """Receive each round into a shadow copy of the weights and move it into the model
     only at `finish_weight_update`, once every byte arrived and was applied: a round
@@ -61,6 +76,15 @@ class WeightTransferConfig:
             raise ValueError(f"apply_threads should be an int >= 1, got {self.apply_threads!r}")
         if self.transform is not None and not callable(self.transform):
             raise ValueError(f"transform should be callable or None, got {self.transform!r}")
+        if not isinstance(self.transform_elementwise, bool):
+            raise ValueError(
+                f"transform_elementwise should be a bool, got {self.transform_elementwise!r}"
+            )
+        if self.transform_elementwise and self.transform is None:
+            raise ValueError(
+                "transform_elementwise=True describes the transform, but transform is None; "
+                "set a transform or leave transform_elementwise False"
+            )
 
 
 @dataclass

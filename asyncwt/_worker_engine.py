@@ -128,6 +128,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             model,
             plan,
             self.config.transform,
+            elementwise=self.config.transform_elementwise,
             in_place=self.receives_in_place,
             staged=self.config.staged,
         )

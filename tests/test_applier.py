@@ -7,14 +7,25 @@ processes in test_backends.py.
 
 from __future__ import annotations
 
+import re
+import threading
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from asyncwt import ModuleSource, TcpWorkerInitInfo, WeightTransferConfig, create_worker_engine
-from asyncwt._applier import DeferredApplier, ModelTarget, Transform
+from asyncwt import (
+    ApplyError,
+    ModuleSource,
+    TcpWorkerInitInfo,
+    WeightTransferConfig,
+    create_worker_engine,
+)
+from asyncwt._applier import DeferredApplier, ModelTarget, Transform, bucket_parts, split_runs
 from asyncwt._bytes import byte_view
-from asyncwt._plan import Bucket, TransferPlan
+from asyncwt._plan import Bucket, Slice, TransferPlan
 from asyncwt._worker_engine import DeferredWorkerEngine
 
 BUCKET = 4096
@@ -188,3 +199,182 @@ def test_receive_buffers_let_every_apply_thread_work_while_the_next_bucket_arriv
 def test_a_model_with_load_weights_gets_a_receive_buffer_per_apply_thread() -> None:
     config = WeightTransferConfig(backend="tcp", apply_threads=3)
     assert _pool_size(config, _Loader(), num_buffers=2) == 4
+
+
+# -- elementwise transforms: runs of elements land as they arrive, split among threads --
+
+
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(1, 300), st.sampled_from([1, 2, 4, 8])), min_size=1, max_size=12
+    ),
+    parts=st.integers(1, 6),
+)
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_split_runs_covers_every_byte_once_in_order_cut_between_elements(
+    sizes: list[tuple[int, int]], parts: int
+) -> None:
+    runs = []
+    offset = 0
+    for index, (count, itemsize) in enumerate(sizes):
+        runs.append((Slice(index, 0, count * itemsize, offset), itemsize))
+        offset += count * itemsize
+    split = split_runs(runs, parts)
+    assert 1 <= len(split) <= parts
+    flat = [p for part in split for p in part]
+    for s, itemsize in runs:  # every slice's bytes, once, in order, cut between elements
+        mine = [p for p in flat if p.slice == s]
+        assert [p.start for p in mine] == [0, *[p.start + p.nbytes for p in mine][:-1]]
+        assert sum(p.nbytes for p in mine) == s.nbytes
+        assert all(p.start % itemsize == 0 and p.nbytes % itemsize == 0 for p in mine)
+    total = sum(s.nbytes for s, _ in runs)
+    widest = max(itemsize for _, itemsize in runs)
+    for part in split[:-1]:  # no part is much more than its share
+        assert sum(p.nbytes for p in part) <= -(-total // parts) + widest
+
+
+def _doubled_into_float32(
+    calls: list[tuple[str, torch.Tensor, bool]], released: list[int]
+) -> Transform:
+    def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        calls.append((name, tensor.clone(), bool(released)))
+        return tensor.to(torch.float32) * 2
+
+    return transform
+
+
+def test_an_elementwise_transform_gets_runs_of_elements_split_among_threads() -> None:
+    plan = _plan(_Model())
+    worker = _Model(torch.float32)
+    calls: list[tuple[str, torch.Tensor, bool]] = []
+    released: list[int] = []
+    transform = _doubled_into_float32(calls, released)
+    target = ModelTarget.resolve(worker, plan, transform, elementwise=True, in_place=False)
+    assert target.chunks_land == (True, True)
+    applier = DeferredApplier(threads=3, min_part_bytes=512)
+    try:
+        for round_id in (1, 2):
+            calls.clear()
+            source = _trainer_model(seed=round_id)
+            _apply_round(applier, target, plan, source, round_id)
+            for name, param in worker.named_parameters():
+                expected = dict(source.named_parameters())[name].detach().to(torch.float32) * 2
+                assert torch.equal(param.detach(), expected), name
+            # The transform saw flat runs, never a whole chunked parameter, and more
+            # calls than buckets: each bucket's work was split among the threads.
+            assert all(t.dim() == 1 for _, t, _ in calls)
+            big = [t for n, t, _ in calls if n == "big"]
+            assert max(t.numel() for t in big) < worker.big.numel()
+            assert sum(t.numel() for t in big) == worker.big.numel()
+            assert len(calls) > len(plan.buckets)
+        assert applier._spare == {}  # no reassembly buffer was ever made
+    finally:
+        applier.shutdown()
+
+
+def test_a_split_bucket_is_released_once_after_its_last_part() -> None:
+    plan = _plan(_Model())
+    bucket = plan.buckets[0]
+    worker = _Model()
+    started = threading.Barrier(2, timeout=10)
+
+    def wait_for_the_other_part(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        started.wait()  # both parts of the bucket run at once, on two threads
+        return tensor
+
+    target = ModelTarget.resolve(
+        worker, plan, wait_for_the_other_part, elementwise=True, in_place=False
+    )
+    whole, parts = bucket_parts(target, bucket, threads=2, min_part_bytes=512)
+    assert whole == [] and len(parts) == 2
+    applier = DeferredApplier(threads=2, min_part_bytes=512)
+    released: list[int] = []
+    try:
+        applier.submit(
+            target, 1, bucket, _packed(plan, _trainer_model(1), bucket), lambda: released.append(1)
+        )
+        applier.drain(timeout=10)
+        assert released == [1]
+    finally:
+        applier.shutdown()
+
+
+def test_an_elementwise_transform_that_changes_the_element_count_fails_naming_it() -> None:
+    plan = _plan(_Model())
+
+    def halves(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[: tensor.numel() // 2]
+
+    target = ModelTarget.resolve(_Model(), plan, halves, elementwise=True, in_place=False)
+    applier = DeferredApplier(threads=2)
+    try:
+        bucket = plan.buckets[0]
+        applier.submit(target, 1, bucket, _packed(plan, _trainer_model(1), bucket), lambda: None)
+        with pytest.raises(
+            ApplyError,
+            match=r"^round 1, bucket 0: applying parameter 'big' failed: ValueError: an elementwise transform should return a tensor of as many elements as it is given \(2048, a run of the parameter's elements\), got 1024$",
+        ):
+            applier.drain(timeout=10)
+    finally:
+        applier.shutdown()
+
+
+def test_a_model_with_load_weights_still_gets_whole_tensors_from_an_elementwise_transform() -> None:
+    plan = _plan(_Model())
+    loader = _Loader()
+    target = ModelTarget.resolve(loader, plan, lambda n, t: t.clone(), elementwise=True)
+    assert target.chunks_land == (False, False)
+    applier = DeferredApplier(threads=2, min_part_bytes=1)
+    try:
+        source = _trainer_model(seed=3)
+        _apply_round(applier, target, plan, source, 1)
+        assert loader.kept["big"].shape == source.big.shape
+        assert torch.equal(loader.kept["big"], source.big.detach())
+    finally:
+        applier.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"transform_elementwise": True},
+            "transform_elementwise=True describes the transform, but transform is None; set a transform or leave transform_elementwise False",
+        ),
+        (
+            {"transform": _recording([]), "transform_elementwise": 1},
+            "transform_elementwise should be a bool, got 1",
+        ),
+    ],
+)
+def test_transform_elementwise_is_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        WeightTransferConfig(backend="tcp", **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_elementwise_transform_runs_in_place_on_bytes_received_into_the_parameter() -> None:
+    plan = _plan(_Model())
+    worker = _Model()
+    seen: list[torch.Tensor] = []
+
+    def double_in_place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        seen.append(tensor)
+        return tensor.mul_(2)
+
+    target = ModelTarget.resolve(worker, plan, double_in_place, elementwise=True)
+    assert target.direct == (True, True)  # the receiver writes straight into the model
+    applier = DeferredApplier(threads=2, min_part_bytes=512)
+    try:
+        source = _trainer_model(seed=5)
+        with torch.no_grad():  # what a receiver does for a direct parameter
+            for name, param in worker.named_parameters():
+                param.copy_(dict(source.named_parameters())[name])
+        for bucket in plan.buckets:
+            applier.submit(target, 1, bucket, None, lambda: None)
+        applier.drain(timeout=10)
+        for name, param in worker.named_parameters():
+            assert torch.equal(param.detach(), dict(source.named_parameters())[name].detach() * 2)
+        storages = {p.untyped_storage().data_ptr() for p in worker.parameters()}
+        assert {t.untyped_storage().data_ptr() for t in seen} == storages
+    finally:
+        applier.shutdown()

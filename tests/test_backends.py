@@ -102,13 +102,18 @@ async def test_background_copy_path_is_bit_exact(backend: str) -> None:
 
 
 @uvloop_only
-@pytest.mark.parametrize("transform", [False, True], ids=["in-place", "through-buffers"])
-async def test_slices_of_a_mib_and_more_among_small_ones(backend: str, transform: bool) -> None:
+@pytest.mark.parametrize(
+    "transform", [(), ("--transform", "_models:identity_transform"),
+                  ("--transform", "_models:identity_transform", "--transform-elementwise")],
+    ids=["in-place", "through-buffers", "elementwise"],
+)  # fmt: skip
+async def test_slices_of_a_mib_and_more_among_small_ones(
+    backend: str, transform: tuple[str, ...]
+) -> None:
     """Long slices (torch_dist broadcasts them on their own, into the parameter when
-    it can take them) between short ones, and a parameter chunked over buckets."""
-    args = ("--backend", backend)
-    if transform:
-        args += ("--transform", "_models:identity_transform")
+    it can take them) between short ones, and a parameter chunked over buckets;
+    elementwise, each bucket's work is split among the apply threads."""
+    args = ("--backend", backend, *transform)
     with worker_process("_models:large_slices", *args, env=worker_env()) as url:
         async with HttpClient(url) as client:
             model = _models.large_slices()
