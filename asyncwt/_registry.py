@@ -94,6 +94,12 @@ async def trainer_init(
     return engine
 
 
+def worker_engine_class(backend: str) -> type[WeightTransferEngine[Any, Any]]:
+    """The worker engine class registered for `backend` (unknown: `ValueError`)."""
+    cls: type[WeightTransferEngine[Any, Any]] = _lookup(_WORKER_ENGINES, "worker", backend)
+    return cls
+
+
 def create_worker_engine(
     config: WeightTransferConfig,
     *,
@@ -105,7 +111,7 @@ def create_worker_engine(
 
     `device` defaults to the device of the model's first parameter (CPU if none).
     """
-    cls = _lookup(_WORKER_ENGINES, "worker", config.backend)
+    cls = worker_engine_class(config.backend)
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap test: fixed transform milliseconds per full bucket (overrides --transform-x)",
     )
     parser.add_argument(
+        "--whole-tensor-transform",
+        action="store_true",
+        help="overlap test: give the worker transform whole tensors (a chunked one after its "
+        "last chunk) instead of declaring it elementwise",
+    )
+    parser.add_argument(
         "--sweep-bucket-mib",
         type=_mib_list,
         metavar="A,B,...",
@@ -249,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_threads=args.apply_threads,
         gather_x=args.gather_x,
         transform_x=args.transform_x,
+        transform_elementwise=not args.whole_tensor_transform,
         gather_ms_per_tensor=args.gather_ms_per_tensor,
         transform_ms_per_bucket=args.transform_ms_per_bucket,
         sweep_bucket_bytes=args.sweep_bucket_mib,

@@ -7,9 +7,11 @@
   the values, sleeping `s_per_bucket × tensor bytes / bucket_bytes` (so a full
   bucket costs `s_per_bucket`), configured by `$ASYNCWT_BENCH_TRANSFORM` (JSON),
   and appending `name start end` to an events file when one is named.
-- `transform_alone_s` runs the same transform calls, bucket by bucket as the
-  worker's applier does, on the same number of threads, with nothing else going
-  on: the transform stage's time alone.
+- `ApplyStage` runs the worker's real applier with that transform on a
+  worker-shaped model, with no wire: the apply stage's time alone, copies into
+  the model included. The transform is elementwise (its cost is per byte), so by
+  default the workers are told so (`--transform-elementwise`): it runs on runs of
+  elements as they arrive, in place where the bytes land in the model.
 
 Times are `time.monotonic()`: CLOCK_MONOTONIC is system-wide on Linux, so the
 trainer's and the worker's events share one timeline.
@@ -17,28 +19,30 @@ trainer's and the worker's events share one timeline.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
+from .._applier import DeferredApplier, ModelTarget, bucket_parts
 from .._meta import ParamMeta
 from .._plan import TransferPlan
 from .._source import ModuleSource, WeightSource
 
 __all__ = [
     "TRANSFORM_ENV",
+    "ApplyStage",
     "SlowSource",
     "TransformConfig",
     "bench_transform",
     "read_events",
-    "transform_alone_s",
+    "transform_jobs",
 ]
 
 TRANSFORM_ENV = "ASYNCWT_BENCH_TRANSFORM"
@@ -111,15 +115,19 @@ def _env_config() -> TransformConfig:
 
 def slow_identity(config: TransformConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Sleep as `config` says for `tensor`'s bytes; return `tensor` unchanged."""
+    _sleep_for(config, name, tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def _sleep_for(config: TransformConfig, name: str, nbytes: int) -> None:
     start = time.monotonic()
-    delay = config.delay_for(tensor.numel() * tensor.element_size())
+    delay = config.delay_for(nbytes)
     if delay > 0:
         time.sleep(delay)
     if config.events_path is not None:
         line = f"{name} {start!r} {time.monotonic()!r}\n"
         with _events_lock, open(config.events_path, "a") as events:
             events.write(line)
-    return tensor
 
 
 def bench_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -143,26 +151,84 @@ def read_events(path: str, offset: int) -> tuple[list[Event], int]:
     return parsed, end
 
 
-def transform_alone_s(
-    model: torch.nn.Module, plan: TransferPlan, config: TransformConfig, threads: int
-) -> float:
-    """The transform stage alone: every call the applier makes, on `threads` threads.
+def transform_jobs(
+    model: torch.nn.Module,
+    plan: TransferPlan,
+    threads: int,
+    *,
+    elementwise: bool,
+    in_place: bool,
+) -> list[tuple[int, list[tuple[str, int]]]]:
+    """The transform calls the worker's applier makes, as it divides them into jobs:
+    `(bucket index, [(parameter name, bytes transformed)])` in submission order.
 
-    Mirrors the worker's applier: one task per bucket, calling the transform for each
-    parameter whose last byte the bucket holds (a chunked parameter is transformed
-    once, whole, in its last bucket).
+    Goes through the applier's own `bucket_parts`: per bucket, one job for the
+    whole-tensor calls (a parameter transformed whole, in its last bucket) and one
+    per part of the elementwise work. `in_place`: the worker's transport receives
+    into the model (`receives_in_place`).
     """
-    params = list(model.parameters())
-    quiet = TransformConfig(s_per_bucket=config.s_per_bucket, bucket_bytes=config.bucket_bytes)
+    target = ModelTarget.resolve(
+        model, plan, lambda name, tensor: tensor, elementwise=elementwise, in_place=in_place
+    )
+    jobs: list[tuple[int, list[tuple[str, int]]]] = []
+    for bucket in plan.buckets:
+        whole, parts = bucket_parts(target, bucket, threads)
+        calls = [
+            (plan.params[s.param].name, plan.params[s.param].nbytes)
+            for s in whole
+            if s.end == plan.params[s.param].nbytes
+        ]
+        pieces = [[(plan.params[p.slice.param].name, p.nbytes) for p in part] for part in parts]
+        jobs.append((bucket.index, calls + (pieces[0] if pieces else [])))
+        jobs += [(bucket.index, part) for part in pieces[1:]]
+    return jobs
 
-    def bucket_work(index: int) -> None:
-        for s in plan.buckets[index].slices:
-            meta = plan.params[s.param]
-            if s.end == meta.nbytes:
-                slow_identity(quiet, meta.name, params[s.param])
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="bench-transform") as pool:
-        list(pool.map(lambda _: None, range(threads)))  # start the threads first
-        start = time.perf_counter()
-        list(pool.map(bucket_work, range(len(plan.buckets))))
-        return time.perf_counter() - start
+class ApplyStage:
+    """The worker's apply stage alone: the real applier, no wire.
+
+    Every bucket of a round is handed to a `DeferredApplier` on `threads` threads,
+    as the worker engine hands them over, and timed until drained: unpacking,
+    the slow transform and the copies into a worker-shaped model, with nothing
+    else running. Receive buffers are `threads + 1` bucket-sized ones, as the
+    worker keeps, filled once; what they hold does not change the cost.
+    """
+
+    def __init__(
+        self,
+        worker: torch.nn.Module,
+        plan: TransferPlan,
+        threads: int,
+        *,
+        elementwise: bool,
+        in_place: bool,
+    ) -> None:
+        self.worker = worker
+        self.plan = plan
+        self.threads = threads
+        self.elementwise = elementwise
+        self.in_place = in_place
+        self._buffers = [
+            torch.zeros(plan.bucket_bytes, dtype=torch.uint8) for _ in range(threads + 1)
+        ]
+
+    def once_s(self, config: TransformConfig) -> float:
+        """Seconds to apply one round with the slow transform `config` describes."""
+        quiet = TransformConfig(s_per_bucket=config.s_per_bucket, bucket_bytes=config.bucket_bytes)
+        target = ModelTarget.resolve(
+            self.worker,
+            self.plan,
+            functools.partial(slow_identity, quiet),
+            elementwise=self.elementwise,
+            in_place=self.in_place,
+        )
+        applier = DeferredApplier(self.threads)
+        try:
+            start = time.perf_counter()
+            for bucket in self.plan.buckets:
+                buffer = self._buffers[bucket.index % len(self._buffers)]
+                applier.submit(target, 1, bucket, buffer, lambda: None)
+            applier.drain()
+            return time.perf_counter() - start
+        finally:
+            applier.shutdown()

@@ -136,6 +136,7 @@ def start_asyncwt_worker(
     env: Mapping[str, str],
     apply_threads: int | None = None,
     transform: str | None = None,
+    transform_elementwise: bool = False,
     role: str = "asyncwt-worker",
 ) -> tuple[Child, str]:
     """Start a real `python -m asyncwt worker` serving the benchmark model; its URL.
@@ -151,6 +152,8 @@ def start_asyncwt_worker(
         cmd += ["--apply-threads", str(apply_threads)]
     if transform is not None:
         cmd += ["--transform", transform]
+        if transform_elementwise:
+            cmd += ["--transform-elementwise"]
     child = _popen(cmd, role, log_dir, env, subprocess.PIPE)
     try:
         line = _first_line(child, START_TIMEOUT_S)

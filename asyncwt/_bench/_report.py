@@ -119,7 +119,11 @@ def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
                 v, BARS["overlap_vs_slowest"], v <= BARS["overlap_vs_slowest"],
                 f"total {pair['overlapped']['median_s']:.3f} s vs {pair['slowest_stage']} alone "
                 f"{pair['slowest_alone_s']:.3f} s (default buffers; with {more['num_buffers']}: "
-                f"{more['total_vs_slowest']:.2f}x)",
+                f"{more['total_vs_slowest']:.2f}x)"
+                + "".join(
+                    f"; ideal-pipeline floor {m} {f['vs_slowest']:.3f}x"
+                    for m, f in pair.get("floor", {}).items()
+                ),
             ))  # fmt: skip
         memory = report["memory"].get(name)
         if memory:
@@ -237,7 +241,8 @@ def format_table(report: dict[str, Any]) -> str:
             "",
             (
                 f"OVERLAP (asyncwt {backend}: gather {overlap['gather_s_per_tensor'] * 1e3:.2f} ms/tensor, "
-                f"transform {overlap['transform_s_per_bucket'] * 1e3:.2f} ms/bucket on {overlap['apply_threads']} threads)"
+                f"transform {overlap['transform_s_per_bucket'] * 1e3:.2f} ms/bucket on {overlap['apply_threads']} threads, "
+                f"{'elementwise' if overlap.get('transform_elementwise') else 'on whole tensors'})"
             ),
             (
                 f"  alone: gather {st['gather']:.3f} s | wire {st['wire']:.3f} s | transform {st['transform']:.3f} s "
@@ -262,6 +267,11 @@ def format_table(report: dict[str, Any]) -> str:
                 f"({pair['slowest_stage']}); with {more['num_buffers']} buffers "
                 f"{more['median_s']:.3f} s = {more['total_vs_slowest']:.2f}x"
             )
+            if "floor" in pair:
+                lines.append(
+                    "    floor (an ideal pipeline of the same work, no overhead): "
+                    + ", ".join(f"{m} {f['vs_slowest']:.3f}x" for m, f in pair["floor"].items())
+                )
 
     for backend, memory in report["memory"].items():
         lines += [

@@ -23,13 +23,21 @@ import torch
 
 from .._checksum import model_checksum
 from .._plan import TransferPlan
+from .._registry import worker_engine_class
 from .._source import ModuleSource
 from .._worker import WeightTransferConfig
 from ._engines import BackendEntry, EngineConfig, TrainerJob, available_backends, run_trainer
+from ._floors import gather_wire_floors, transform_floor
 from ._limits import measure_memcpy, measure_raw_loopback
 from ._memory import rss_bytes
 from ._model import MODEL_ENV, LlamaShape, SyntheticLlama, fill_random
-from ._overlap import TRANSFORM_ENV, SlowSource, TransformConfig, transform_alone_s
+from ._overlap import (
+    TRANSFORM_ENV,
+    ApplyStage,
+    SlowSource,
+    TransformConfig,
+    transform_jobs,
+)
 from ._peers import PEERS, measure_peer
 from ._procs import Child, start_asyncwt_worker
 from ._util import Rounds
@@ -84,6 +92,10 @@ class BenchSettings:
     """The worker's apply threads (the transform stage's parallelism)."""
     gather_x: float = 1.0
     """Overlap test: the simulated gather alone takes this multiple of the wire alone."""
+    transform_elementwise: bool = True
+    """Tell the workers the bench transform is elementwise (it is: its cost is per
+    byte), so it runs on runs of elements as they arrive, shared among the apply
+    threads; False gives it whole tensors, a chunked one after its last chunk."""
     transform_x: float = 1.0
     """Overlap test: the worker transform alone takes this multiple of the wire alone."""
     gather_ms_per_tensor: float | None = None
@@ -296,7 +308,8 @@ def _run_backend(
     }
     worker, url = start_asyncwt_worker(
         backend=name, log_dir=log_dir, env=staged_env, apply_threads=settings.apply_threads,
-        transform=transform, role=f"worker-{name}-staged",
+        transform=transform, transform_elementwise=settings.transform_elementwise,
+        role=f"worker-{name}-staged",
     )  # fmt: skip
     with worker:
         jobs = [
@@ -326,11 +339,12 @@ def _run_backend(
     report["memory"][name] = _memory_section(direct, staged, model)
 
     # 3. Overlap: slow gather + wire + slow transform, against the slowest alone.
+    apply = _ApplyBench.build(backend, settings, shape)
     report["overlap"][name] = _overlap(
-        backend, settings, model, shape, wire, trainer, log, log_dir, env
+        backend, settings, model, shape, wire, apply, trainer, log, log_dir, env
     )
     report["overlap"][name]["pairs"] = _overlap_pairs(
-        backend, settings, model, shape, direct, wire, trainer, log, log_dir, env
+        backend, settings, model, shape, direct, wire, apply, trainer, log, log_dir, env
     )
 
 
@@ -423,7 +437,7 @@ def _slow_transform_worker(
     return start_asyncwt_worker(
         backend=backend.name, log_dir=log_dir, env={**env, TRANSFORM_ENV: transform.to_json()},
         apply_threads=settings.apply_threads, transform="asyncwt._bench._overlap:bench_transform",
-        role=role,
+        transform_elementwise=settings.transform_elementwise, role=role,
     )  # fmt: skip
 
 
@@ -442,11 +456,40 @@ def _gather_alone(
     return rounds.measure(gather_once, nbytes)
 
 
-def _calibrated_transform_s(settings: BenchSettings, wire_s: float, plan: TransferPlan) -> float:
-    """Transform seconds per full bucket so that the transform stage alone, on the
-    worker's apply threads, takes `transform_x` times `wire_s`."""
+@dataclass(frozen=True)
+class _ApplyBench:
+    """The backend's apply stage alone, and its cost with an instant transform
+    (unpacking and copies into the model only)."""
+
+    stage: ApplyStage
+    copies: dict[str, Any]
+    """`Rounds.measure` record of the stage with a transform that takes no time."""
+
+    @classmethod
+    def build(cls, backend: BackendEntry, settings: BenchSettings, shape: LlamaShape) -> _ApplyBench:
+        worker = SyntheticLlama(shape)
+        plan = TransferPlan.build(ModuleSource(worker).metadata, bucket_bytes=settings.bucket_bytes)
+        stage = ApplyStage(
+            worker, plan, settings.apply_threads,
+            elementwise=settings.transform_elementwise,
+            in_place=worker_engine_class(backend.name).receives_in_place,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        instant = TransformConfig(s_per_bucket=0.0, bucket_bytes=settings.bucket_bytes)
+        copies = settings.rounds.measure(lambda: stage.once_s(instant), plan.total_bytes)
+        return cls(stage, copies)
+
+    def alone(self, config: TransformConfig, rounds: Rounds) -> dict[str, Any]:
+        return rounds.measure(lambda: self.stage.once_s(config), self.stage.plan.total_bytes)
+
+
+def _calibrated_transform_s(
+    settings: BenchSettings, wire_s: float, plan: TransferPlan, apply: _ApplyBench
+) -> float:
+    """Transform seconds per full bucket so that the apply stage alone (its copies
+    included) takes about `transform_x` times `wire_s` on the worker's apply threads."""
     share = plan.bucket_bytes / plan.total_bytes
-    return settings.transform_x * wire_s * settings.apply_threads * share
+    sleeping = max(0.0, settings.transform_x * wire_s - float(apply.copies["median_s"]))
+    return sleeping * settings.apply_threads * share
 
 
 def _median_timeline(record: dict[str, Any], warmup: int) -> dict[str, Any] | None:
@@ -489,6 +532,7 @@ def _overlap_pairs(
     shape: LlamaShape,
     direct: dict[str, Any],
     wire: dict[str, Any],
+    apply: _ApplyBench,
     trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
     log: Log,
     log_dir: Path,
@@ -528,23 +572,30 @@ def _overlap_pairs(
         {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, rounds.warmup
     )
     pairs["gather+wire"]["gather_s_per_tensor"] = delay
+    floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
+    pairs["gather+wire"]["floor"] = _floor_record(floors, pairs["gather+wire"])
 
     # wire + transform, against a worker with a slow transform.
     wire_s = wire["median_s"]
-    s_per_bucket = _calibrated_transform_s(settings, wire_s, plan)
+    s_per_bucket = _calibrated_transform_s(settings, wire_s, plan, apply)
     transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
-    transform_alone = rounds.measure(
-        lambda: transform_alone_s(model, plan, transform, settings.apply_threads), plan.total_bytes
+    transform_alone = apply.alone(transform, rounds)
+    events_path = log_dir / f"transform-events-{backend.name}-pair.txt"
+    events_path.unlink(missing_ok=True)
+    recorded = TransformConfig(
+        s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes, events_path=str(events_path)
     )
     worker, url = _slow_transform_worker(
-        backend, settings, transform, log_dir, env, role=f"worker-{backend.name}-pair-transform"
+        backend, settings, recorded, log_dir, env, role=f"worker-{backend.name}-pair-transform"
     )
     with worker:
         log(
             f"overlap pair: {backend.name} -> slow transform ({s_per_bucket * 1e3:.2f} ms/bucket), against {url}"
         )
         jobs = [
-            TrainerJob(label=f"wire+transform{tag}", config=c, verify=True)
+            TrainerJob(
+                label=f"wire+transform{tag}", config=c, verify=True, events_path=str(events_path)
+            )
             for tag, c in (("", config), (", more buffers", more))
         ]
         total, more_total = trainer(worker, url, jobs)
@@ -552,7 +603,29 @@ def _overlap_pairs(
         {"wire": wire_s, "transform": transform_alone["median_s"]}, total, more_total, rounds.warmup
     )
     pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
+    # Every job costs its bytes at the transform's rate plus the copies' (measured).
+    copy_s_per_bucket = apply.copies["median_s"] * settings.apply_threads * (
+        plan.bucket_bytes / plan.total_bytes
+    )
+    floors = {
+        mode: transform_floor(
+            plan,
+            transform_jobs(
+                model, plan, settings.apply_threads, elementwise=elementwise,
+                in_place=apply.stage.in_place,
+            ),
+            wire_s, s_per_bucket + copy_s_per_bucket, settings.apply_threads,
+        )
+        for mode, elementwise in (("elementwise", True), ("whole tensors", False))
+    }  # fmt: skip
+    pairs["wire+transform"]["floor"] = _floor_record(floors, pairs["wire+transform"])
     return pairs
+
+
+def _floor_record(floors: dict[str, float], pair: dict[str, Any]) -> dict[str, Any]:
+    """Ideal-pipeline seconds by granularity, and each against the pair's slower stage."""
+    slowest = pair["slowest_alone_s"]
+    return {mode: {"s": s, "vs_slowest": s / slowest} for mode, s in floors.items()}
 
 
 def _overlap(
@@ -561,6 +634,7 @@ def _overlap(
     model: torch.nn.Module,
     shape: LlamaShape,
     wire: dict[str, Any],
+    apply: _ApplyBench,
     trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
     log: Log,
     log_dir: Path,
@@ -583,7 +657,7 @@ def _overlap(
     if settings.transform_ms_per_bucket is not None:
         s_per_bucket = settings.transform_ms_per_bucket / 1000
     else:
-        s_per_bucket = _calibrated_transform_s(settings, wire_s, plan)
+        s_per_bucket = _calibrated_transform_s(settings, wire_s, plan, apply)
     transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
     log(
         f"overlap: gather {gather_delay * 1e3:.2f} ms/tensor, transform {s_per_bucket * 1e3:.2f} ms/bucket "
@@ -591,9 +665,7 @@ def _overlap(
     )
 
     gather_alone = _gather_alone(model, gather_delay, rounds, plan.total_bytes)
-    transform_alone = rounds.measure(
-        lambda: transform_alone_s(model, plan, transform, settings.apply_threads), plan.total_bytes
-    )
+    transform_alone = apply.alone(transform, rounds)
 
     events_path = log_dir / f"transform-events-{backend.name}.txt"
     events_path.unlink(missing_ok=True)
@@ -626,11 +698,13 @@ def _overlap(
         "gather_s_per_tensor": gather_delay,
         "transform_s_per_bucket": s_per_bucket,
         "apply_threads": settings.apply_threads,
+        "transform_elementwise": settings.transform_elementwise,
         "gather_alone": gather_alone,
         "wire_alone": {
             k: wire[k] for k in ("median_s", "rounds_s", "gbps", "stage_busy_s", "config")
         },
         "transform_alone": transform_alone,
+        "apply_copies_alone": apply.copies,
         **record,
         "sum_of_stages_s": sum(stages.values()),
         "total_vs_sum": total["median_s"] / sum(stages.values()),
