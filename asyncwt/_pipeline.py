@@ -298,10 +298,13 @@ async def _pack(
     lane: DeviceLane,
     zero_copy: bool,
     clock: StageClock,
+    opened: anyio.Event | None,
 ) -> None:
     min_view = sink.min_view_bytes if zero_copy else None
     try:
         async with inbox, outbox:
+            if opened is not None:
+                await opened.wait()  # the sink may be touched only once the round is open
             await _pack_each(inbox, handoff, outbox, free_slots, pool, sink, lane, min_view, clock)
     finally:
         handoff.close()
@@ -380,8 +383,13 @@ async def run_pipeline(
     iterate_lane: DeviceLane,
     pack_lane: DeviceLane,
     config: PipelineConfig,
+    opened: anyio.Event | None = None,
 ) -> dict[str, float]:
     """Stream every bucket of `plan` from `source` into `sink`; return stage busy seconds.
+
+    With `opened`, the source is iterated at once but the sink is used only once the
+    event is set: the caller opens the round on the transport meanwhile, and the
+    first gathers (at most `queue_depth` buckets of them) overlap that round trip.
 
     Cancellation: every stage stops; the iterate thread stops at its next yield (a
     running collective finishes first); buckets already handed to the sink are
@@ -428,6 +436,7 @@ async def run_pipeline(
                     pack_lane,
                     config.zero_copy,
                     clocks["pack"],
+                    opened,
                 )
                 tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"])
         finally:

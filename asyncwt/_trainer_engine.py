@@ -12,6 +12,7 @@ from abc import abstractmethod
 from typing import Any, ClassVar, TypeVar
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import torch
 from typing_extensions import Self
@@ -203,12 +204,19 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     async def _sender_round(
         self, transport: SenderTransport, round_id: int, weight_version: str | None
     ) -> dict[str, float]:
+        """Open the round while the first tensors are gathered, stream, finish.
+
+        `start_weight_update` and the transport's round opening (every worker
+        READY) run concurrently with the pipeline's iterate stage, which may gather
+        a few buckets ahead; nothing is packed or sent until the round is open.
+        """
         rpc_timeout = self.info.rpc_timeout
         where = f"round {round_id}"
-        await bounded_call(self.client, "start_weight_update", timeout=rpc_timeout, where=where)
         update_info = {"round_id": round_id, "plan_digest": self.plan.digest}
         failed = False
+        update_started = False
         update_done = anyio.Event()
+        opened = anyio.Event()
         busy: dict[str, float] = {}
 
         async def update_rpc() -> None:
@@ -221,31 +229,42 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             finally:
                 update_done.set()
 
+        async def open_round(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal update_started
+            await bounded_call(self.client, "start_weight_update", timeout=rpc_timeout, where=where)
+            tg.start_soon(update_rpc)
+            update_started = True
+            await transport.begin_round(round_id)
+            opened.set()
+
         with single_error():
             async with anyio.create_task_group() as tg:
-                tg.start_soon(update_rpc)
                 try:
-                    await transport.begin_round(round_id)
-                    busy = await run_pipeline(
-                        self.plan,
-                        self.source,
-                        transport,
-                        pool=self._pool,
-                        iterate_lane=self._iterate_lane,
-                        pack_lane=self._pack_lane,
-                        config=self._pipeline,
-                    )
+                    with single_error():
+                        async with anyio.create_task_group() as stream:
+                            stream.start_soon(open_round, tg)
+                            busy = await run_pipeline(
+                                self.plan,
+                                self.source,
+                                transport,
+                                pool=self._pool,
+                                iterate_lane=self._iterate_lane,
+                                pack_lane=self._pack_lane,
+                                config=self._pipeline,
+                                opened=opened,
+                            )
                     await transport.end_round()
                 except BaseException as exc:
                     failed = True
-                    with anyio.CancelScope(shield=True):
-                        await transport.abort_round(f"{type(exc).__name__}: {exc}")
-                    if not isinstance(exc, anyio.get_cancelled_exc_class()):
-                        # Let the workers acknowledge the abort (their update_weights
-                        # returns), but no longer than rpc_timeout: the RPC is then
-                        # abandoned by the task group (a sync client's thread included).
-                        with anyio.move_on_after(rpc_timeout):
-                            await update_done.wait()
+                    if update_started:
+                        with anyio.CancelScope(shield=True):
+                            await transport.abort_round(f"{type(exc).__name__}: {exc}")
+                        if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                            # Let the workers acknowledge the abort (their update_weights
+                            # returns), but no longer than rpc_timeout: the RPC is then
+                            # abandoned by the task group (a sync client's thread included).
+                            with anyio.move_on_after(rpc_timeout):
+                                await update_done.wait()
                     raise
                 with anyio.move_on_after(rpc_timeout) as scope:
                     await update_done.wait()

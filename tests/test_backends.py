@@ -9,6 +9,7 @@ connections, killed or stopped peers, cancellation) are in `test_faults.py`.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import _dist
 import _e2e_ranks
 import _models
+import anyio
 import pytest
 import torch
 from _faults import (
@@ -165,6 +167,81 @@ def test_two_trainer_ranks_push_an_fsdp2_model(
         assert (mine["bytes"], theirs["bytes"]) == (full_bytes, 0)
         assert mine["status"]["weight_version"] == f"fsdp-{r}"
         assert mine["status"]["checksum"] == mine["checksum"]
+
+
+class SlowStartClient(HttpClient):
+    """`start_weight_update` takes `delay_s` longer (a far or busy control plane), or
+    fails while `fail_starts` is positive; notes when each start returned."""
+
+    def __init__(self, url: str, delay_s: float, fail_starts: int = 0) -> None:
+        super().__init__(url)
+        self.delay_s = delay_s
+        self.fail_starts = fail_starts
+        self.started_at: list[float] = []
+
+    async def start_weight_update(self) -> None:
+        await anyio.sleep(self.delay_s)
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            raise ControlPlaneError("start_weight_update failed on purpose")
+        await super().start_weight_update()
+        self.started_at.append(time.monotonic())
+
+
+class FirstYieldSource(ModuleSource):
+    """Notes when each pass yields its first tensor, and how many tensors it yielded."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.first_yield_at: list[float] = []
+        self.yielded = 0
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.yielded = 0
+        for i, pair in enumerate(super().iter_full()):
+            if i == 0:
+                self.first_yield_at.append(time.monotonic())
+            self.yielded += 1
+            yield pair
+
+
+@uvloop_only
+async def test_the_first_tensors_are_gathered_while_the_round_opens(
+    mixed_worker: str, backend: str
+) -> None:
+    model = _models.mixed()
+    source = FirstYieldSource(model)
+    async with SlowStartClient(mixed_worker, delay_s=0.5) as client:
+        engine = await trainer_init(info_for(backend), client=client, source=source)
+        async with engine:
+            for r in (1, 2):
+                _models.randomize(model, seed=r)
+                await engine.send_weights(weight_version=f"v{r}")
+                await assert_worker_has(client, model, f"v{r}")
+    assert len(source.first_yield_at) == len(client.started_at) == 2
+    for yielded, started in zip(source.first_yield_at, client.started_at):
+        assert yielded < started - 0.3, "the source should be iterated while start runs"
+
+
+@uvloop_only
+async def test_a_failed_start_stops_the_gather_and_the_next_round_arrives(
+    mixed_worker: str, backend: str
+) -> None:
+    model = _models.mixed()
+    source = FirstYieldSource(model)
+    async with SlowStartClient(mixed_worker, delay_s=0.2, fail_starts=1) as client:
+        engine = await trainer_init(info_for(backend), client=client, source=source)
+        async with engine:
+            (before,) = await client.weights_status()
+            _models.randomize(model, seed=1)
+            with pytest.raises(ControlPlaneError, match=r"^start_weight_update failed on purpose$"):
+                await engine.send_weights(weight_version="failed")
+            assert 0 < source.yielded < len(source.metadata)  # it stopped early
+            (after,) = await client.weights_status()
+            assert after == before  # nothing reached the worker
+            _models.randomize(model, seed=2)
+            await engine.send_weights(weight_version="v2")
+            await assert_worker_has(client, model, "v2")
 
 
 class RecordingClient(HttpClient):
