@@ -11,17 +11,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from asyncwt._bench._cli import main
+from asyncwt._bench._floors import gather_wire_floors, transform_floor
 from asyncwt._bench._memory import MemoryProbe
 from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worker_model_for
+from asyncwt._bench._overlap import TransformConfig, set_transform_delay
 from asyncwt._bench._run import _summarize_sweep
 from asyncwt._bench._util import Rounds
 from asyncwt._checksum import model_checksum
+from asyncwt._meta import ParamMeta
+from asyncwt._plan import TransferPlan
 
 SECTIONS = ["meta", "limits", "peers", "asyncwt", "overlap", "memory", "sweep", "bars", "chart"]
 
@@ -57,6 +62,11 @@ def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str
     assert set(pairs) == {"gather+wire", "wire+transform"}
     assert set(pairs["gather+wire"]["stage_alone_s"]) == {"gather", "wire"}
     assert set(pairs["wire+transform"]["stage_alone_s"]) == {"wire", "transform"}
+    for pair in pairs.values():  # the wire alone came from rounds interleaved with the pair
+        alone = pair["overlapped"]["alone"]
+        assert len(alone["rounds_s"]) == len(pair["overlapped"]["rounds_s"]) >= 5
+        assert pair["stage_alone_s"]["wire"] == alone["median_s"]
+        assert pair["timeline"] is not None and pair["floor"]
     assert set(report["memory"]["tcp"]) == {"model_bytes", "direct", "staged"}
     assert {r["mode"] for r in report["sweep"]["tcp"]["rows"]} == {"direct", "staged"}
 
@@ -167,3 +177,32 @@ def test_sweep_recommends_least_memory_within_five_percent_of_fastest() -> None:
     summary = _summarize_sweep([row(64, 4, 1.00), row(16, 2, 1.04), row(4, 1, 1.50)])
     assert summary["fastest"]["direct"]["bucket_bytes"] == 64
     assert summary["recommended"]["direct"]["bucket_bytes"] == 16
+
+
+def _two_tensor_plan(bucket_bytes: int) -> TransferPlan:
+    metas = [ParamMeta("a", torch.uint8, (100,)), ParamMeta("b", torch.uint8, (100,))]
+    return TransferPlan.build(metas, bucket_bytes=bucket_bytes, alignment=16)
+
+
+def test_gather_wire_floor_waits_for_a_buckets_last_tensor() -> None:
+    # Each tensor takes 1 s to gather and 1 s to send. Apart, b's gather overlaps a's
+    # send (3 s); in one bucket, nothing is sent before b is gathered (2 + 2 s).
+    assert gather_wire_floors(_two_tensor_plan(128), 2.0, 2.0) == {"bucket": 3.0, "tensor": 3.0}
+    assert gather_wire_floors(_two_tensor_plan(256), 2.0, 2.0) == {"bucket": 4.0, "tensor": 3.0}
+
+
+def test_transform_floor_runs_jobs_on_the_first_free_thread_once_their_bucket_arrived() -> None:
+    plan = _two_tensor_plan(128)  # bucket 0 arrives at 1 s, bucket 1 at 2 s
+    jobs = [(0, [("a", 128)]), (1, [("b", 64)]), (1, [("b", 64)])]  # 1 s, 0.5 s, 0.5 s
+    assert transform_floor(plan, jobs, 2.0, 1.0, threads=1) == 3.0
+    assert transform_floor(plan, jobs, 2.0, 1.0, threads=2) == 2.5
+    assert transform_floor(plan, jobs[:1] + [(1, [("b", 128)])], 2.0, 1.0, threads=2) == 3.0
+
+
+def test_the_bench_transform_follows_its_control_file(tmp_path: Path) -> None:
+    control = str(tmp_path / "control")
+    config = TransformConfig(s_per_bucket=0.5, bucket_bytes=100, control_path=control)
+    assert config.delay_for(50) == 0.25  # no file yet: the configured delay
+    for s_per_bucket in (0.0, 2.0, 0.0):
+        set_transform_delay(control, s_per_bucket)
+        assert config.delay_for(50) == s_per_bucket / 2

@@ -36,7 +36,7 @@ from .._stats import RoundStats
 from .._trainer import TrainerInitInfo
 from ._memory import MemoryProbe
 from ._model import LlamaShape, SyntheticLlama, fill_random
-from ._overlap import SlowSource, read_events
+from ._overlap import SlowSource, read_events, set_transform_delay
 from ._procs import Child, start_child
 from ._util import Rounds, run_async, summarize
 
@@ -170,12 +170,14 @@ async def measure_engine(
     expected_checksum: str | None,
     worker_baseline_bytes: int | None = None,
     on_round: Callable[[int, RoundStats, list[tuple[int, float, float]]], None] | None = None,
+    before_round: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Run warm-up + timed rounds of `backend` with `config`; the JSON record.
 
-    `on_round(i, stats, send_timeline)` is called after each round (i from 0,
-    warm-up included). With `expected_checksum`, the worker's checksum is checked
-    after the last round. The worker's engine is shut down at the end either way.
+    `before_round(i)` and `on_round(i, stats, send_timeline)` are called before and
+    after each round (i from 0, warm-up included). With `expected_checksum`, the
+    worker's checksum is checked after the last round. The worker's engine is shut
+    down at the end either way.
     """
     gc.collect()
     trainer_probe = MemoryProbe()
@@ -190,6 +192,8 @@ async def measure_engine(
             try:
                 hooked = _hook_send_timeline(engine, timeline)
                 for i in range(rounds.total):
+                    if before_round is not None:
+                        before_round(i)
                     timeline.clear()
                     round_stats = await engine.send_weights(weight_version=f"bench-{i}")
                     stats.append(round_stats)
@@ -248,6 +252,17 @@ class TrainerJob:
     """The worker's RSS to count from (default: its RSS when the job starts)."""
     events_path: str | None = None
     """The worker transform's events file: record a per-round timeline."""
+    transform_control: str | None = None
+    """The worker transform's control file (`TransformConfig.control_path`)."""
+    transform_s_per_bucket: float = 0.0
+    """What this job's slow rounds write to `transform_control`."""
+    rounds: int | None = None
+    """Timed rounds (of each kind, when interleaved) instead of the run's count."""
+    interleaved: bool = False
+    """Alternate rounds without the slow stages (no gather delay, an instant worker
+    transform) and with them, so the stages alone and together are measured in the
+    same minute on the same connection: the record is the slow rounds', and
+    `record["alone"]` the others'. `rounds` counts each kind."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -257,6 +272,10 @@ class TrainerJob:
             "verify": self.verify,
             "worker_baseline_bytes": self.worker_baseline_bytes,
             "events_path": self.events_path,
+            "transform_control": self.transform_control,
+            "transform_s_per_bucket": self.transform_s_per_bucket,
+            "rounds": self.rounds,
+            "interleaved": self.interleaved,
         }
 
     @classmethod
@@ -311,10 +330,21 @@ async def _run_job(
     rounds: Rounds,
     checksum: str,
 ) -> dict[str, Any]:
-    timeline = job.events_path is not None or job.gather_s_per_tensor > 0
-    source: WeightSource = (
-        SlowSource(model, job.gather_s_per_tensor) if timeline else ModuleSource(model)
-    )
+    timeline = job.interleaved or job.events_path is not None or job.gather_s_per_tensor > 0
+    slow = SlowSource(model, job.gather_s_per_tensor)
+    source: WeightSource = slow if timeline else ModuleSource(model)
+
+    def is_slow(index: int) -> bool:
+        return not job.interleaved or index % 2 == 1
+
+    def before_round(index: int) -> None:
+        on = is_slow(index)
+        slow.delay_s = job.gather_s_per_tensor if on else 0.0
+        if job.transform_control is not None:
+            set_transform_delay(job.transform_control, job.transform_s_per_bucket if on else 0.0)
+
+    timed = job.rounds or rounds.rounds
+    measured = Rounds(rounds=timed * (2 if job.interleaved else 1), warmup=rounds.warmup)
     timelines: list[dict[str, Any]] = []
     offset = (
         os.path.getsize(job.events_path)
@@ -346,16 +376,35 @@ async def _run_job(
         worker_pid=worker_pid,
         source=source,
         config=job.config,
-        rounds=rounds,
+        rounds=measured,
         expected_checksum=checksum if job.verify else None,
         worker_baseline_bytes=job.worker_baseline_bytes,
         on_round=on_round if timeline else None,
+        before_round=before_round if job.interleaved else None,
     )
     record["label"] = job.label
     record["gather_s_per_tensor"] = job.gather_s_per_tensor
     if timeline:
         record["timelines"] = timelines
+    if job.interleaved:
+        _split_interleaved(record, measured.warmup, is_slow)
     return record
+
+
+def _split_interleaved(record: dict[str, Any], warmup: int, is_slow: Callable[[int], bool]) -> None:
+    """Make `record` the slow rounds' and `record["alone"]` the others'; keep the
+    timelines of the timed slow rounds only."""
+    timed = list(enumerate(record["rounds_s"], start=warmup))
+    slow = [t for i, t in timed if is_slow(i)]
+    alone = [t for i, t in timed if not is_slow(i)]
+    nbytes = record["bytes"]
+    record.update(summarize(slow, nbytes, record["warmup_s"]))
+    record["alone"] = summarize(alone, nbytes, [])
+    record["interleaved"] = True
+    if "timelines" in record:
+        record["timelines"] = [
+            t for t in record["timelines"] if t["round"] >= warmup and is_slow(t["round"])
+        ]
 
 
 TRAINER_TIMEOUT_S = 3600.0

@@ -42,6 +42,7 @@ __all__ = [
     "TransformConfig",
     "bench_transform",
     "read_events",
+    "set_transform_delay",
     "transform_jobs",
 ]
 
@@ -83,6 +84,10 @@ class TransformConfig:
     """The bucket size those seconds are for."""
     events_path: str | None = None
     """File to append `name start end` lines to, or None."""
+    control_path: str | None = None
+    """File whose text, once written (`set_transform_delay`), replaces `s_per_bucket`:
+    the trainer switches the worker's transform between slow and instant from one
+    round to the next, so that both are measured interleaved on one connection."""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -90,11 +95,40 @@ class TransformConfig:
                 "s_per_bucket": self.s_per_bucket,
                 "bucket_bytes": self.bucket_bytes,
                 "events_path": self.events_path,
+                "control_path": self.control_path,
             }
         )
 
     def delay_for(self, nbytes: int) -> float:
-        return self.s_per_bucket * nbytes / self.bucket_bytes
+        s_per_bucket = self.s_per_bucket
+        if self.control_path is not None:
+            s_per_bucket = _controlled(self.control_path, s_per_bucket)
+        return s_per_bucket * nbytes / self.bucket_bytes
+
+
+_control_cache: dict[str, tuple[tuple[int, int], float]] = {}
+
+
+def _controlled(path: str, default: float) -> float:
+    """The seconds per bucket `path` holds (re-read when it changes), or `default`."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return default
+    version = (stat.st_ino, stat.st_mtime_ns)  # every write is a new file (os.replace)
+    cached = _control_cache.get(path)
+    if cached is None or cached[0] != version:
+        with open(path) as control:
+            cached = _control_cache[path] = (version, float(control.read()))
+    return cached[1]
+
+
+def set_transform_delay(path: str, s_per_bucket: float) -> None:
+    """Switch the workers whose transform reads `path` to `s_per_bucket` (atomically)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as control:
+        control.write(repr(s_per_bucket))
+    os.replace(tmp, path)
 
 
 _config: TransformConfig | None = None

@@ -120,6 +120,7 @@ def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
                 f"total {pair['overlapped']['median_s']:.3f} s vs {pair['slowest_stage']} alone "
                 f"{pair['slowest_alone_s']:.3f} s (default buffers; with {more['num_buffers']}: "
                 f"{more['total_vs_slowest']:.2f}x)"
+                + (f"; stages alone {pair['balance']:.2f}:1" if "balance" in pair else "")
                 + "".join(
                     f"; ideal-pipeline floor {m} {f['vs_slowest']:.3f}x"
                     for m, f in pair.get("floor", {}).items()
@@ -266,6 +267,11 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{pair['overlapped']['median_s']:.3f} s = {pair['total_vs_slowest']:.2f}x the slower "
                 f"({pair['slowest_stage']}); with {more['num_buffers']} buffers "
                 f"{more['median_s']:.3f} s = {more['total_vs_slowest']:.2f}x"
+                + (
+                    f"; the slower stage alone is {pair['balance']:.2f}x the faster"
+                    if "balance" in pair
+                    else ""
+                )
             )
             if "floor" in pair:
                 lines.append(

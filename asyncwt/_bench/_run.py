@@ -36,6 +36,7 @@ from ._overlap import (
     ApplyStage,
     SlowSource,
     TransformConfig,
+    set_transform_delay,
     transform_jobs,
 )
 from ._peers import PEERS, measure_peer
@@ -46,6 +47,8 @@ __all__ = ["PRESETS", "BenchSettings", "run_bench"]
 
 MiB = 1 << 20
 KiB = 1 << 10
+PAIR_ROUNDS = 5
+"""Timed rounds of each kind (together, alone) at least, for the overlap pairs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -344,7 +347,7 @@ def _run_backend(
         backend, settings, model, shape, wire, apply, trainer, log, log_dir, env
     )
     report["overlap"][name]["pairs"] = _overlap_pairs(
-        backend, settings, model, shape, direct, wire, apply, trainer, log, log_dir, env
+        backend, settings, model, shape, apply, trainer, log, log_dir, env
     )
 
 
@@ -482,6 +485,19 @@ class _ApplyBench:
         return rounds.measure(lambda: self.stage.once_s(config), self.stage.plan.total_bytes)
 
 
+def _calibrated_gather(
+    model: torch.nn.Module, target_s: float, rounds: Rounds, nbytes: int
+) -> tuple[float, dict[str, Any]]:
+    """The per-tensor sleep that makes a gather pass take about `target_s`, and that
+    pass measured alone. A sleep overshoots (by about a millisecond here): the
+    first measurement corrects the delay once."""
+    count = sum(1 for _ in model.parameters())
+    delay = target_s / count
+    first = _gather_alone(model, delay, rounds, nbytes)
+    delay = max(0.0, delay - (first["median_s"] - target_s) / count)
+    return delay, _gather_alone(model, delay, rounds, nbytes)
+
+
 def _calibrated_transform_s(
     settings: BenchSettings, wire_s: float, plan: TransferPlan, apply: _ApplyBench
 ) -> float:
@@ -501,11 +517,17 @@ def _median_timeline(record: dict[str, Any], warmup: int) -> dict[str, Any] | No
 
 
 def _overlap_record(
-    stages: dict[str, float], total: dict[str, Any], more_buffers: dict[str, Any], warmup: int
+    stages: dict[str, float],
+    total: dict[str, Any],
+    more_buffers: dict[str, Any],
+    warmup: int,
+    more_stages: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Stages together (default buffers, and more) against the slowest of them alone,
-    with the default run's median timeline."""
+    """Stages together (default buffers, and more) against the slowest of them alone
+    (`more_stages` for the more-buffers run, if measured apart), with the default
+    run's median timeline."""
     slowest = max(stages, key=lambda k: stages[k])
+    more_stages = more_stages or stages
     timeline = _median_timeline(total, warmup)
     _median_timeline(more_buffers, warmup)
     return {
@@ -515,11 +537,13 @@ def _overlap_record(
         "slowest_alone_s": stages[slowest],
         "overlapped": total,
         "total_vs_slowest": total["median_s"] / stages[slowest],
+        "balance": stages[slowest] / min(stages.values()),
         "more_buffers": {
             "num_buffers": more_buffers["config"]["num_buffers"],
             "median_s": more_buffers["median_s"],
             "rounds_s": more_buffers["rounds_s"],
-            "total_vs_slowest": more_buffers["median_s"] / stages[slowest],
+            "stage_alone_s": more_stages,
+            "total_vs_slowest": more_buffers["median_s"] / max(more_stages.values()),
             "bit_exact": more_buffers.get("bit_exact"),
         },
     }
@@ -530,8 +554,6 @@ def _overlap_pairs(
     settings: BenchSettings,
     model: torch.nn.Module,
     shape: LlamaShape,
-    direct: dict[str, Any],
-    wire: dict[str, Any],
     apply: _ApplyBench,
     trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
     log: Log,
@@ -540,68 +562,93 @@ def _overlap_pairs(
 ) -> dict[str, dict[str, Any]]:
     """The bar's case: two stages of about the same cost, each pair on its own.
 
-    - `gather+wire`: a slow gathering source (alone = the default run's wire time)
-      into a plain worker, which applies nothing slow;
-    - `wire+transform`: a plain source into a worker whose transform alone takes
-      the transform-hook wire time.
-    Each runs with the default buffers and with one more per apply thread.
+    - `gather+wire`: a slow gathering source (calibrated to the default run's wire
+      time) into a plain worker, which applies nothing slow;
+    - `wire+transform`: a plain source into a worker whose apply stage alone takes
+      about the transform-hook wire time.
+    The wire alone is measured interleaved with the pair, round for round on the
+    same connection (`TrainerJob.interleaved`), and the slow stage is calibrated
+    against the wire measured on that worker just before: on a shared machine the
+    wire's speed drifts by tens of percent within minutes, and a ratio must not
+    measure that. Each pair takes at least `PAIR_ROUNDS` rounds of each kind, and
+    runs with the default buffers and with one more per apply thread.
     """
     config, more = settings.config, _more_buffers(settings)
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
-    rounds = settings.rounds
+    rounds = Rounds(rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup)
     pairs: dict[str, dict[str, Any]] = {}
 
+    def calibrate(worker: Child, url: str) -> float:
+        """The wire alone against `worker`, measured right before the pair."""
+        job = TrainerJob(label="calibration", config=config, rounds=rounds.rounds)
+        (record,) = trainer(worker, url, [job])
+        return float(record["median_s"])
+
     # gather + wire, against a plain worker (the headline's configuration).
-    wire_s = direct["median_s"]
-    delay = settings.gather_x * wire_s / shape.num_tensors
-    gather_alone = _gather_alone(model, delay, rounds, plan.total_bytes)
     worker, url = start_asyncwt_worker(
         backend=backend.name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
         role=f"worker-{backend.name}-pair",
     )  # fmt: skip
     with worker:
+        delay, gather_alone = _calibrated_gather(
+            model, settings.gather_x * calibrate(worker, url), rounds, plan.total_bytes
+        )
         log(
-            f"overlap pair: slow gather ({delay * 1e3:.2f} ms/tensor) -> {backend.name}, against {url}"
+            f"overlap pair: slow gather ({delay * 1e3:.2f} ms/tensor) -> {backend.name}, "
+            f"interleaved with the wire alone, against {url}"
         )
         jobs = [
-            TrainerJob(label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True)
+            TrainerJob(
+                label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True,
+                rounds=rounds.rounds, interleaved=True,
+            )
             for tag, c in (("", config), (", more buffers", more))
-        ]
+        ]  # fmt: skip
         total, more_total = trainer(worker, url, jobs)
+    wire_s = total["alone"]["median_s"]
     pairs["gather+wire"] = _overlap_record(
-        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, rounds.warmup
-    )
+        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, 0,
+        {"gather": gather_alone["median_s"], "wire": more_total["alone"]["median_s"]},
+    )  # fmt: skip
     pairs["gather+wire"]["gather_s_per_tensor"] = delay
     floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
     pairs["gather+wire"]["floor"] = _floor_record(floors, pairs["gather+wire"])
 
-    # wire + transform, against a worker with a slow transform.
-    wire_s = wire["median_s"]
-    s_per_bucket = _calibrated_transform_s(settings, wire_s, plan, apply)
-    transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
-    transform_alone = apply.alone(transform, rounds)
+    # wire + transform, against a worker whose transform the trainer switches.
     events_path = log_dir / f"transform-events-{backend.name}-pair.txt"
+    control_path = log_dir / f"transform-control-{backend.name}-pair.txt"
     events_path.unlink(missing_ok=True)
-    recorded = TransformConfig(
-        s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes, events_path=str(events_path)
-    )
+    set_transform_delay(str(control_path), 0.0)  # instant until a slow round
+    switched = TransformConfig(
+        s_per_bucket=0.0, bucket_bytes=config.bucket_bytes,
+        events_path=str(events_path), control_path=str(control_path),
+    )  # fmt: skip
     worker, url = _slow_transform_worker(
-        backend, settings, recorded, log_dir, env, role=f"worker-{backend.name}-pair-transform"
+        backend, settings, switched, log_dir, env, role=f"worker-{backend.name}-pair-transform"
     )
     with worker:
+        s_per_bucket = _calibrated_transform_s(settings, calibrate(worker, url), plan, apply)
+        transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
+        transform_alone = apply.alone(transform, rounds)
         log(
-            f"overlap pair: {backend.name} -> slow transform ({s_per_bucket * 1e3:.2f} ms/bucket), against {url}"
+            f"overlap pair: {backend.name} -> slow transform ({s_per_bucket * 1e3:.2f} ms/bucket), "
+            f"interleaved with the wire alone, against {url}"
         )
         jobs = [
             TrainerJob(
-                label=f"wire+transform{tag}", config=c, verify=True, events_path=str(events_path)
+                label=f"wire+transform{tag}", config=c, verify=True, events_path=str(events_path),
+                transform_control=str(control_path), transform_s_per_bucket=s_per_bucket,
+                rounds=rounds.rounds, interleaved=True,
             )
             for tag, c in (("", config), (", more buffers", more))
-        ]
+        ]  # fmt: skip
         total, more_total = trainer(worker, url, jobs)
+    wire_s = total["alone"]["median_s"]
+    apply_s = transform_alone["median_s"]
     pairs["wire+transform"] = _overlap_record(
-        {"wire": wire_s, "transform": transform_alone["median_s"]}, total, more_total, rounds.warmup
-    )
+        {"wire": wire_s, "transform": apply_s}, total, more_total, 0,
+        {"wire": more_total["alone"]["median_s"], "transform": apply_s},
+    )  # fmt: skip
     pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
     # Every job costs its bytes at the transform's rate plus the copies' (measured).
     copy_s_per_bucket = apply.copies["median_s"] * settings.apply_threads * (
