@@ -95,9 +95,12 @@ async def test_mixed_dtypes_arrive_bit_exact_every_round(
 
 
 @uvloop_only
-async def test_background_copy_path_is_bit_exact(backend: str) -> None:
-    """With a transform every parameter goes through the applier (and chunk reassembly)."""
+@pytest.mark.parametrize("elementwise", [False, True], ids=["whole-tensors", "elementwise"])
+async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool) -> None:
+    """With a transform every parameter goes through the applier (and chunk reassembly,
+    or, elementwise, chunks landing and in-place transforms; 0-d and empty ones too)."""
     args = ("--backend", backend, "--transform", "_models:identity_transform", "--apply-threads", "3")
+    args += ("--transform-elementwise",) if elementwise else ()
     with worker_process("_models:mixed", *args, env=worker_env()) as url:
         async with HttpClient(url) as client:
             await push_rounds(client, _models.mixed(), rounds=2, info=info_for(backend))

@@ -121,6 +121,11 @@ def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{pair['slowest_alone_s']:.3f} s (default buffers; with {more['num_buffers']}: "
                 f"{more['total_vs_slowest']:.2f}x)"
                 + (f"; stages alone {pair['balance']:.2f}:1" if "balance" in pair else "")
+                + (
+                    f"; paired by round {pair['paired_vs_slowest']:.2f}x"
+                    if pair.get("paired_vs_slowest") is not None
+                    else ""
+                )
                 + "".join(
                     f"; ideal-pipeline floor {m} {f['vs_slowest']:.3f}x"
                     for m, f in pair.get("floor", {}).items()
@@ -270,6 +275,13 @@ def format_table(report: dict[str, Any]) -> str:
                 + (
                     f"; the slower stage alone is {pair['balance']:.2f}x the faster"
                     if "balance" in pair
+                    else ""
+                )
+                + (
+                    f"; round by round against the wire alone next to it: "
+                    f"{pair['paired_vs_slowest']:.2f}x (with {more['num_buffers']} buffers "
+                    f"{more['paired_vs_slowest']:.2f}x)"
+                    if pair.get("paired_vs_slowest") is not None
                     else ""
                 )
             )

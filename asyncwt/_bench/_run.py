@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -538,15 +539,29 @@ def _overlap_record(
         "overlapped": total,
         "total_vs_slowest": total["median_s"] / stages[slowest],
         "balance": stages[slowest] / min(stages.values()),
+        "paired_vs_slowest": _paired_ratio(total, stages),
         "more_buffers": {
             "num_buffers": more_buffers["config"]["num_buffers"],
             "median_s": more_buffers["median_s"],
             "rounds_s": more_buffers["rounds_s"],
             "stage_alone_s": more_stages,
             "total_vs_slowest": more_buffers["median_s"] / max(more_stages.values()),
+            "paired_vs_slowest": _paired_ratio(more_buffers, more_stages),
             "bit_exact": more_buffers.get("bit_exact"),
         },
     }
+
+
+def _paired_ratio(record: dict[str, Any], stages: dict[str, float]) -> float | None:
+    """For an interleaved record: the median over its rounds of each round together
+    against the slower of its neighbouring wire-alone round and the other stages
+    alone, a paired estimate that a drift of the machine's speed cancels out of."""
+    alone = record.get("alone")
+    if alone is None:
+        return None
+    others = max(v for k, v in stages.items() if k != "wire")
+    ratios = [t / max(a, others) for t, a in zip(record["rounds_s"], alone["rounds_s"])]
+    return float(statistics.median(ratios))
 
 
 def _overlap_pairs(
