@@ -174,7 +174,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         Cancellation: the round is aborted on every worker (their `update_weights`
         fails, no version is published), staging slots are released, and the
-        iterate thread stops at its next tensor; the next round starts clean. A
+        iterate thread stops at its next tensor; the next round starts clean. If
+        `start_weight_update` had not returned yet (the first gathers run during
+        it), there is nothing to abort: no `update_weights` was issued. A
         bucket already being written finishes first (bounded by `send_timeout`). A
         cancellation during `finish_weight_update` cannot be taken back: the
         workers may still publish the round, which arrived completely.
