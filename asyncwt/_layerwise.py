@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["layerwise_groups"]
+__all__ = ["in_layer_stack", "layerwise_groups"]
 
 
 def _stack_key(name: str) -> tuple[str, int] | None:
@@ -16,6 +16,11 @@ def _stack_key(name: str) -> tuple[str, int] | None:
         if part.isdigit():
             return ".".join(parts[:i]), int(part)
     return None
+
+
+def in_layer_stack(name: str) -> bool:
+    """Whether `name` belongs to a repeated layer (it has an all-digit segment)."""
+    return _stack_key(name) is not None
 
 
 def layerwise_groups(names: list[str]) -> list[list[str]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._layerwise import in_layer_stack
 from ._meta import ParamMeta, Placement, Replicate, Shard
 
 __all__ = ["ModuleSource", "WeightSource", "materialize_full_tensor"]
@@ -122,15 +123,31 @@ class ModuleSource(WeightSource):
     shapes, never gathers, and is cached on first read: shard the module first.
     Mesh ranks are global ranks of the default group, so they must equal the
     trainer ranks given in `TrainerInitInfo.rank`.
+
+    Order: with `layers_last` (the default), the parameters outside the repeated
+    layers (embeddings, final norm, LM head: the largest tensors of a language
+    model) come first, then the layers', each part in registration order. A round
+    cannot end before the last-gathered tensor is sent, so ending on one layer's
+    tensors instead of a vocabulary-sized LM head shortens what no pipeline can
+    hide: on the benchmark's 1 GiB model, from 12% of the round's bytes to 2%.
+    `layers_last=False` keeps `named_parameters()` order.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, *, layers_last: bool = True) -> None:
         self._module = module
+        self.layers_last = layers_last
+
+    def _parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """`named_parameters()` in this source's order (read anew on every pass)."""
+        named: list[tuple[str, torch.Tensor]] = list(self._module.named_parameters())
+        if self.layers_last:
+            named.sort(key=lambda item: in_layer_stack(item[0]))  # stable: False first
+        return named
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas = []
-        for name, param in self._module.named_parameters():
+        for name, param in self._parameters():
             layout = _dtensor_layout(param)
             if layout is None:
                 metas.append(ParamMeta(name, param.dtype, tuple(param.shape)))
@@ -149,12 +166,12 @@ class ModuleSource(WeightSource):
         return metas
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._module.named_parameters():
+        for name, param in self._parameters():
             if _is_member(param):
                 yield name, materialize_full_tensor(param.detach())
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._module.named_parameters():
+        for name, param in self._parameters():
             if not _is_member(param):
                 continue
             layout = _dtensor_layout(param)

@@ -249,6 +249,54 @@ def test_module_source_of_module_without_parameters_is_empty() -> None:
     assert list(source.iter_local()) == []
 
 
+class _Decoder(torch.nn.Module):
+    """Registration order of a Hugging Face decoder: embedding, layers, norm, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"attn": torch.nn.Linear(4, 4), "mlp": torch.nn.Linear(4, 4)})
+            for _ in range(2)
+        )
+        self.norm = torch.nn.LayerNorm(4)
+        self.lm_head = torch.nn.Linear(4, 16, bias=False)
+
+
+_LAYER_NAMES = [
+    f"layers.{i}.{part}.{kind}"
+    for i in range(2)
+    for part in ("attn", "mlp")
+    for kind in ("weight", "bias")
+]
+
+
+@pytest.mark.parametrize("mode", ["iter_full", "iter_local"])
+def test_module_source_puts_parameters_outside_the_layers_first(mode: str) -> None:
+    model = _Decoder()
+    source = ModuleSource(model)
+    expected = ["embed.weight", "norm.weight", "norm.bias", "lm_head.weight", *_LAYER_NAMES]
+
+    yielded = list(getattr(source, mode)())
+
+    assert [m.name for m in source.metadata] == expected
+    assert [name for name, _ in yielded] == expected
+    assert source.owned_names(0) == expected
+    params = dict(model.named_parameters())
+    for name, tensor in yielded:
+        assert tensor.data_ptr() == params[name].data_ptr()
+
+
+def test_module_source_layers_last_false_keeps_registration_order() -> None:
+    model = _Decoder()
+    source = ModuleSource(model, layers_last=False)
+    registered = [name for name, _ in model.named_parameters()]
+
+    assert registered[0] == "embed.weight" and registered[-1] == "lm_head.weight"
+    assert [m.name for m in source.metadata] == registered
+    assert [name for name, _ in source.iter_full()] == registered
+
+
 def test_materialize_full_tensor_returns_plain_tensor_unchanged() -> None:
     tensor = torch.arange(6.0).reshape(2, 3)
     param = torch.nn.Parameter(torch.ones(3))

@@ -150,11 +150,22 @@ def _naive_round(sock: socket.socket, model: torch.nn.Module) -> Callable[[], fl
     return one
 
 
+def _packed_layout(
+    model: torch.nn.Module, bucket_bytes: int
+) -> tuple[TransferPlan, list[torch.Tensor]]:
+    """The packed peer's buckets, in registration order as a simple bucketed sync
+    walks the model, and each plan parameter's bytes (both sides build the same)."""
+    plan = TransferPlan.build(
+        ModuleSource(model, layers_last=False).metadata, bucket_bytes=bucket_bytes
+    )
+    params = dict(model.named_parameters())
+    return plan, [_flat_bytes(params[meta.name].data) for meta in plan.params]
+
+
 def _packed_round(
     sock: socket.socket, model: torch.nn.Module, bucket_bytes: int
 ) -> Callable[[], float]:
-    plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=bucket_bytes)
-    flats = [_flat_bytes(p) for p in model.parameters()]
+    plan, flats = _packed_layout(model, bucket_bytes)
     staging: list[torch.Tensor] = []
 
     def one() -> float:
@@ -265,8 +276,7 @@ _RECEIVE: dict[int, tuple[TransferPlan, torch.Tensor, list[torch.Tensor]]] = {}
 
 def _packed_receive(sock: socket.socket, model: torch.nn.Module, bucket_bytes: int) -> None:
     if bucket_bytes not in _RECEIVE:
-        plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=bucket_bytes)
-        flats = [_flat_bytes(p.data) for p in model.parameters()]
+        plan, flats = _packed_layout(model, bucket_bytes)
         _RECEIVE[bucket_bytes] = (plan, empty_bytes(bucket_bytes), flats)
     plan, buffer, flats = _RECEIVE[bucket_bytes]
     view = byte_view(buffer)

@@ -627,6 +627,13 @@ def _overlap_pairs(
     )  # fmt: skip
     pairs["gather+wire"]["gather_s_per_tensor"] = delay
     floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
+    # What the same work would allow in registration order (LM head last).
+    registration = TransferPlan.build(
+        ModuleSource(model, layers_last=False).metadata, bucket_bytes=config.bucket_bytes
+    )
+    floors["bucket, registration order"] = gather_wire_floors(
+        registration, gather_alone["median_s"], wire_s
+    )["bucket"]
     pairs["gather+wire"]["floor"] = _floor_record(floors, pairs["gather+wire"])
 
     # wire + transform, against a worker whose transform the trainer switches.
