@@ -64,7 +64,16 @@ class ProtocolError(TransferError):
 
 
 class TransferAbortedError(TransferError):
-    """The peer aborted the round (its side failed or was cancelled)."""
+    """The peer aborted the round (its side failed or was cancelled).
+
+    `buckets_received` counts the buckets this side had received whole when the
+    abort arrived, between two buckets (`None` when unknown): with 0, not a byte of
+    the round reached the model.
+    """
+
+    def __init__(self, message: str, *, buckets_received: int | None = None) -> None:
+        super().__init__(message)
+        self.buckets_received = buckets_received
 
 
 class TransferTimeoutError(TransferError):

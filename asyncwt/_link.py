@@ -512,7 +512,8 @@ class WorkerLink:
                     continue  # left over from a round this worker never joined
                 raise TransferAbortedError(
                     f"round {round_id}: the trainer aborted the round after {expected} of "
-                    f"{len(plan.buckets)} buckets: {reason}"
+                    f"{len(plan.buckets)} buckets: {reason}",
+                    buckets_received=expected,
                 )
             if frame.round_id != round_id or frame.digest != self.digest:
                 raise ProtocolError(

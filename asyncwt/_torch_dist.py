@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 import secrets
 import socket
 from collections.abc import Iterator
@@ -60,6 +61,8 @@ DIRECT_BROADCAST_BYTES = 1 << 20
 """Over gloo, a slice at least this long is its own broadcast, without a packing
 copy on the trainer or an unpacking copy on the worker; shorter ones are packed
 (one collective per tiny tensor would cost more than the copies)."""
+
+logger = logging.getLogger("asyncwt")
 
 
 def broadcast_units(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Slice, ...]]:
@@ -298,6 +301,23 @@ class TorchDistSender(LinkedSender):
     async def begin_round(self, round_id: int) -> None:
         await super().begin_round(round_id)
         await self._form_group()
+
+    async def abort_round(self, reason: str) -> None:
+        """Send ABORT; if the round ended before the group formed, form it now.
+
+        That happens when the first round fails while the workers' READY is awaited.
+        A worker whose `update_weights` arrives sends READY and then waits in the
+        group's rendezvous before it reads the ABORT: joining it lets the worker
+        read the ABORT at once instead of after its `recv_timeout`. When the group
+        cannot form (a worker never came), the transport is marked unusable.
+        """
+        await super().abort_round(reason)
+        if self.group is None and self.store is not None:
+            try:
+                await self._form_group()
+            except (RuntimeError, OSError, TransferError) as exc:  # DistError is a RuntimeError
+                logger.warning("the torch_dist group did not form after the abort: %r", exc)
+                self.store = None
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
         header = self.links.frame(

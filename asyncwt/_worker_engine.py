@@ -207,6 +207,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                 f"round {round_id}: the previous round was still being received after "
                 f"recv_timeout={self._recv_timeout}s; init_weight_transfer_engine again to reset"
             )
+        was_incomplete = self.weights_incomplete
         try:
             if target.commit is None:
                 self.weights_incomplete = True  # bytes land in the live weights from now on
@@ -215,6 +216,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                     target, round_id, received.bucket, received.buffer, received.release
                 )
         except BaseException as exc:
+            if isinstance(exc, TransferAbortedError) and exc.buckets_received == 0:
+                self.weights_incomplete = was_incomplete  # aborted before any byte landed
             # A receive overtaken by a new init (its trainer died, a new one connected)
             # must not poison the new connection's rounds: record only the current one.
             if self._is_current(receiver, round_id):

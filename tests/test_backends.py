@@ -226,6 +226,29 @@ async def test_the_first_tensors_are_gathered_while_the_round_opens(
         assert yielded < started - 0.3, "the source should be iterated while start runs"
 
 
+async def _fails_then_the_next_round_arrives(
+    engine: Any,
+    client: HttpClient,
+    model: torch.nn.Module,
+    error: type[Exception],
+    match: str,
+    after_failure: Callable[[], None] = lambda: None,
+) -> None:
+    """A round fails with `error` and leaves the worker exactly as it was (version,
+    checksum, `weights_incomplete` false); the next round arrives bit-exact.
+    `after_failure` runs right after the failed round."""
+    (before,) = await client.weights_status()
+    _models.randomize(model, seed=1)
+    with pytest.raises(error, match=match):
+        await engine.send_weights(weight_version="failed")
+    after_failure()
+    (after,) = await client.weights_status()
+    assert after == before  # nothing reached the worker
+    _models.randomize(model, seed=2)
+    await engine.send_weights(weight_version="v2")
+    await assert_worker_has(client, model, "v2")
+
+
 @uvloop_only
 async def test_a_failed_start_stops_the_gather_and_the_next_round_arrives(
     mixed_worker: str, backend: str
@@ -235,16 +258,57 @@ async def test_a_failed_start_stops_the_gather_and_the_next_round_arrives(
     async with SlowStartClient(mixed_worker, delay_s=0.2, fail_starts=1) as client:
         engine = await trainer_init(info_for(backend), client=client, source=source)
         async with engine:
-            (before,) = await client.weights_status()
-            _models.randomize(model, seed=1)
-            with pytest.raises(ControlPlaneError, match=r"^start_weight_update failed on purpose$"):
-                await engine.send_weights(weight_version="failed")
-            assert 0 < source.yielded < len(source.metadata)  # it stopped early
-            (after,) = await client.weights_status()
-            assert after == before  # nothing reached the worker
-            _models.randomize(model, seed=2)
-            await engine.send_weights(weight_version="v2")
-            await assert_worker_has(client, model, "v2")
+
+            def stopped_early() -> None:
+                assert 0 < source.yielded < len(source.metadata)
+
+            await _fails_then_the_next_round_arrives(
+                engine, client, model, ControlPlaneError,
+                r"^start_weight_update failed on purpose$", after_failure=stopped_early,
+            )  # fmt: skip
+
+
+class SlowUpdateClient(HttpClient):
+    """`update_weights` reaches the worker `delay_s` late, so the trainer waits that
+    long for the workers' READY."""
+
+    def __init__(self, url: str, delay_s: float) -> None:
+        super().__init__(url)
+        self.delay_s = delay_s
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await anyio.sleep(self.delay_s)
+        await super().update_weights(update_info)
+
+
+class FailsOnceSource(ModuleSource):
+    """Its first pass raises after `after_s`, before yielding anything; later passes work."""
+
+    def __init__(self, module: torch.nn.Module, after_s: float) -> None:
+        super().__init__(module)
+        self.after_s = after_s
+        self.failures = 1
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.failures:
+            self.failures -= 1
+            time.sleep(self.after_s)
+            raise RuntimeError("the gather failed on purpose")
+        yield from super().iter_full()
+
+
+@uvloop_only
+async def test_a_source_error_while_waiting_for_ready_aborts_and_the_next_round_arrives(
+    mixed_worker: str, backend: str
+) -> None:
+    model = _models.mixed()
+    source = FailsOnceSource(model, after_s=0.1)
+    async with SlowUpdateClient(mixed_worker, delay_s=0.5) as client:
+        engine = await trainer_init(info_for(backend), client=client, source=source)
+        async with engine:
+            await _fails_then_the_next_round_arrives(
+                engine, client, model, RuntimeError, r"^the gather failed on purpose$"
+            )
 
 
 class RecordingClient(HttpClient):
