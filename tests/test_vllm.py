@@ -311,7 +311,7 @@ class InsertedSource(WeightSource):
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas = []
-        for meta in ModuleSource(self.model).metadata:
+        for meta in ModuleSource(self.model, layers_last=False).metadata:  # as iter_full
             metas.append(meta)
             if meta.name == self.after:
                 name, tensor = self.extra
