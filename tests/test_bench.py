@@ -93,13 +93,46 @@ def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]
     direct = report["asyncwt"]["tcp"]["direct"]
     assert set(direct["vs"]) == {"raw_loopback", "memcpy", "naive", "gloo", "packed"}
     assert {"iterate", "pack", "send"} <= set(direct["stage_busy_s"])
-    assert len(direct["rounds_s"]) == 3 and len(direct["warmup_s"]) == 1
+    # Paired in blocks of 2 (see the next test): 6 blocks, the first one's rounds warm-up.
+    assert len(direct["rounds_s"]) == 11 and len(direct["warmup_s"]) == 1
     assert report["bars"] and all(b["status"] in {"PASS", "FAIL", "N/A"} for b in report["bars"])
     bit_exact_bar = [b for b in report["bars"] if "bit-exact" in b["bar"]]
     assert [b["status"] for b in bit_exact_bar] == ["PASS"]
     assert "BARS" in stdout and "TRANSFER" in stdout and "SWEEP" in stdout
+    assert "paired with the baselines run right before it" in stdout
     chart = report["chart"]
     assert (chart["path"] is None) == ("skipped" in chart["note"])
+
+
+@pytest.mark.timeout(600)
+def test_bench_tiny_pairs_each_headline_round_with_the_baselines_before_it(
+    tiny_run: tuple[dict[str, Any], str],
+) -> None:
+    report, _ = tiny_run
+    direct = report["asyncwt"]["tcp"]["direct"]
+    paired = direct["paired"]
+    assert set(paired["baselines"]) == {"raw_loopback", "naive"}
+    # The raw loopback pairs with the headline's own rounds, the naive peer with a job
+    # of its own; in blocks of 2 rounds, the second of each block counting.
+    assert paired["block"] == 2
+    assert paired["asyncwt_s"]["raw_loopback"] == (direct["warmup_s"] + direct["rounds_s"])[3::2]
+    for name, base in paired["baselines"].items():
+        # One counted baseline round per block of asyncwt rounds, warm-up included.
+        mine = paired["asyncwt_s"][name]
+        assert len(base["rounds_s"]) == len(mine) == 5, name
+        assert len(base["warmup_s"]) == len(direct["warmup_s"]), name
+        expected = [b / a for b, a in zip(base["rounds_s"], mine, strict=True)]
+        assert paired["ratios"][name] == pytest.approx(expected), name
+        assert sorted(expected)[len(expected) // 2] == pytest.approx(paired["vs"][name]), name
+    assert paired["baselines"]["naive"]["bit_exact"]
+    # The raw rounds use the chunk size that won the raw loopback figure at the start.
+    start_variant = report["limits"]["raw_loopback"]["start"]["variant"]
+    assert f"{paired['baselines']['raw_loopback']['chunk_bytes'] >> 20}MiB" == start_variant
+    bars = {b["bar"]: b for b in report["bars"]}
+    raw_bar = bars["asyncwt tcp end-to-end >= 0.8x raw loopback TCP"]
+    assert raw_bar["value"] == pytest.approx(paired["vs"]["raw_loopback"])
+    naive_bar = bars["asyncwt tcp end-to-end >= 3.0x naive per-tensor send"]
+    assert naive_bar["value"] == pytest.approx(paired["vs"]["naive"])
 
 
 def test_llama_shape_for_mib_lands_near_the_target() -> None:

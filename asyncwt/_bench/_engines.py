@@ -13,12 +13,16 @@ info from the benchmark's knobs. Backends not registered on both sides are skipp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import importlib
 import json
 import os
+import select
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from .._checksum import model_checksum
 from .._http_client import HttpClient
@@ -38,7 +43,7 @@ from ._memory import MemoryProbe
 from ._model import LlamaShape, SyntheticLlama, fill_random
 from ._overlap import SlowSource, read_events, set_transform_delay
 from ._procs import Child, start_child
-from ._util import Rounds, run_async, summarize
+from ._util import Rounds, recv_exact, run_async, summarize
 
 __all__ = [
     "BACKENDS",
@@ -258,6 +263,10 @@ class TrainerJob:
     """What this job's slow rounds write to `transform_control`."""
     rounds: int | None = None
     """Timed rounds (of each kind, when interleaved) instead of the run's count."""
+    gated: bool = False
+    """Before each round (warm-up included), hand control to the benchmark process
+    (`run_trainer`'s `between_rounds`) and wait until it is done: a baseline can run
+    right next to every asyncwt round, in the same seconds of the machine's speed."""
     interleaved: bool = False
     """Alternate rounds without the slow stages (no gather delay, an instant worker
     transform) and with them, so the stages alone and together are measured in the
@@ -276,6 +285,7 @@ class TrainerJob:
             "transform_s_per_bucket": self.transform_s_per_bucket,
             "rounds": self.rounds,
             "interleaved": self.interleaved,
+            "gated": self.gated,
         }
 
     @classmethod
@@ -293,6 +303,7 @@ def trainer_process(
     rounds: dict[str, int],
     jobs: list[dict[str, Any]],
     result_path: str,
+    gate_port: int | None = None,
 ) -> None:
     """Child side: build the trainer's model, run every job, write the results (JSON).
 
@@ -305,16 +316,23 @@ def trainer_process(
     checksum = model_checksum(model)
     plan_rounds = Rounds(**rounds)
     results = []
-    for raw in jobs:
-        job = TrainerJob.from_json(raw)
-        print(f"trainer: {job.label}", file=sys.stderr, flush=True)
-        results.append(
-            run_async(
-                functools.partial(
-                    _run_job, entry, job, model, url, worker_pid, plan_rounds, checksum
+    with contextlib.ExitStack() as stack:
+        gate = None if gate_port is None else stack.enter_context(_Gate(gate_port))
+        for number, raw in enumerate(jobs):
+            job = TrainerJob.from_json(raw)
+            print(f"trainer: {job.label}", file=sys.stderr, flush=True)
+            wait = None
+            if job.gated:
+                if gate is None:
+                    raise RuntimeError(f"job {job.label!r} is gated, but no gate port was given")
+                wait = functools.partial(gate.wait, number)
+            results.append(
+                run_async(
+                    functools.partial(
+                        _run_job, entry, job, model, url, worker_pid, plan_rounds, checksum, wait
+                    )
                 )
             )
-        )
     tmp = result_path + ".tmp"
     with open(tmp, "w") as out:
         json.dump({"trainer_checksum": checksum, "results": results}, out)
@@ -329,6 +347,7 @@ async def _run_job(
     worker_pid: int,
     rounds: Rounds,
     checksum: str,
+    gate: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     timeline = job.interleaved or job.events_path is not None or job.gather_s_per_tensor > 0
     slow = SlowSource(model, job.gather_s_per_tensor)
@@ -338,6 +357,10 @@ async def _run_job(
         return not job.interleaved or index % 2 == 1
 
     def before_round(index: int) -> None:
+        if gate is not None:
+            gate(index)
+        if not job.interleaved:
+            return
         on = is_slow(index)
         slow.delay_s = job.gather_s_per_tensor if on else 0.0
         if job.transform_control is not None:
@@ -380,7 +403,7 @@ async def _run_job(
         expected_checksum=checksum if job.verify else None,
         worker_baseline_bytes=job.worker_baseline_bytes,
         on_round=on_round if timeline else None,
-        before_round=before_round if job.interleaved else None,
+        before_round=before_round if job.interleaved or gate is not None else None,
     )
     record["label"] = job.label
     record["gather_s_per_tensor"] = job.gather_s_per_tensor
@@ -407,6 +430,64 @@ def _split_interleaved(record: dict[str, Any], warmup: int, is_slow: Callable[[i
         ]
 
 
+_GATE = struct.Struct("!II")
+"""Trainer child → benchmark: (job number, round index) about to start."""
+_GO = b"G"
+
+
+class _Gate:
+    """The trainer child's end of the gate: announce a round, wait for the go."""
+
+    def __init__(self, port: int) -> None:
+        self._sock = socket.create_connection(("127.0.0.1", port), timeout=TRAINER_TIMEOUT_S)
+
+    def wait(self, job: int, index: int) -> None:
+        self._sock.sendall(_GATE.pack(job, index))
+        if recv_exact(self._sock, 1) != _GO:
+            raise ConnectionError("the benchmark process answered the gate with something else")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._sock.close()
+
+
+class _GateServer:
+    """The benchmark's end: run `between_rounds(job label, round)` when the trainer
+    child asks, then let it go on. Polled, so that a dead child is noticed."""
+
+    def __init__(self, jobs: list[TrainerJob], between_rounds: Callable[[str, int], None]) -> None:
+        self._labels = [job.label for job in jobs]
+        self._between = between_rounds
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._conn: socket.socket | None = None
+        self.port: int = self._listener.getsockname()[1]
+
+    def poll(self, timeout: float) -> None:
+        """Serve at most one request, waiting up to `timeout` seconds for it."""
+        waiting = self._conn if self._conn is not None else self._listener
+        if not select.select([waiting], [], [], timeout)[0]:
+            return
+        if self._conn is None:
+            self._conn, _ = self._listener.accept()
+            self._conn.settimeout(TRAINER_TIMEOUT_S)
+            return
+        try:
+            job, index = _GATE.unpack(recv_exact(self._conn, _GATE.size))
+        except ConnectionError:  # the child is done with the gate (or gone)
+            self._conn.close()
+            self._conn = None
+            return
+        self._between(self._labels[job], index)
+        self._conn.sendall(_GO)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._listener.close()
+
+
 TRAINER_TIMEOUT_S = 3600.0
 
 
@@ -421,8 +502,13 @@ def run_trainer(
     jobs: list[TrainerJob],
     log_dir: Path,
     env: Mapping[str, str],
+    between_rounds: Callable[[str, int], None] | None = None,
 ) -> tuple[str, list[dict[str, Any]]]:
-    """Run `jobs` in a fresh trainer process against `worker`; (trainer checksum, records)."""
+    """Run `jobs` in a fresh trainer process against `worker`; (trainer checksum, records).
+
+    `between_rounds(label, i)` runs here before round i (warm-up included) of every
+    `gated` job, while the trainer process waits.
+    """
     result = log_dir / f"trainer-{backend.name}-{worker.pid}.json"
     result.unlink(missing_ok=True)
     args = {
@@ -435,10 +521,20 @@ def run_trainer(
         "jobs": [job.to_json() for job in jobs],
         "result_path": str(result),
     }
+    if any(job.gated for job in jobs) and between_rounds is None:
+        raise ValueError("gated jobs need `between_rounds`")
     deadline = time.monotonic() + TRAINER_TIMEOUT_S
-    with start_child(f"trainer-{backend.name}", args, log_dir, env) as trainer:
+    with contextlib.ExitStack() as stack:
+        gate = None
+        if between_rounds is not None:
+            gate = stack.enter_context(contextlib.closing(_GateServer(jobs, between_rounds)))
+            args["gate_port"] = gate.port
+        trainer = stack.enter_context(start_child(f"trainer-{backend.name}", args, log_dir, env))
         while trainer.proc.poll() is None:
-            time.sleep(0.05)
+            if gate is not None:
+                gate.poll(0.05)
+            else:
+                time.sleep(0.05)
             if worker.proc.poll() is not None:
                 raise worker.failure("the worker exited while the trainer ran")
             if time.monotonic() > deadline:

@@ -14,20 +14,23 @@ on the same byte count:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import socket
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from .._bytes import byte_view, empty_bytes
-from ._procs import accept_from, start_child
+from ._procs import Child, accept_from, start_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
-__all__ = ["RAW_CHUNKS", "measure_memcpy", "measure_raw_loopback", "raw_sender"]
+__all__ = ["RAW_CHUNKS", "RawLoopback", "measure_memcpy", "measure_raw_loopback", "raw_sender"]
 
 RAW_CHUNKS = (1 << 20, 4 << 20)
 """Chunk sizes (bytes per `sendall`/`recv_into`) tried for raw loopback."""
@@ -62,25 +65,13 @@ def measure_raw_loopback(
     total: int, rounds: Rounds, log_dir: Path, env: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """Raw one-stream loopback throughput for `total` bytes, per chunk size and best."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        args = {"port": port, "total": total}
-        with start_child("raw-send", args, log_dir, env) as child:
-            sock = accept_from(listener, child)
-            with sock:
-                sock.settimeout(IO_TIMEOUT_S)
-                if recv_exact(sock, 1) != _READY:
-                    raise child.failure("sent something other than READY")
-                dst = empty_bytes(total)
-                view = byte_view(dst)
-                variants: dict[str, Any] = {}
-                for chunk in RAW_CHUNKS:
-                    variants[f"{chunk >> 20}MiB"] = rounds.measure(
-                        _receive_round(sock, view, chunk), total, chunk_bytes=chunk
-                    )
-                sock.sendall(_GO.pack(b"Q", 0))
-                child.wait(IO_TIMEOUT_S)
-                del view, dst
+    with RawLoopback(total, log_dir, env) as raw:
+        variants = {
+            f"{chunk >> 20}MiB": rounds.measure(
+                functools.partial(raw.round_s, chunk), total, chunk_bytes=chunk
+            )
+            for chunk in RAW_CHUNKS
+        }
     best_key = max(variants, key=lambda k: variants[k]["gbps"])
     best = dict(variants[best_key])
     best["variant"] = best_key
@@ -88,14 +79,59 @@ def measure_raw_loopback(
     return best
 
 
-def _receive_round(sock: socket.socket, view: memoryview, chunk: int) -> Callable[[], float]:
-    def one() -> float:
+class RawLoopback:
+    """A raw sender child connected to this process, for as many rounds as asked.
+
+    Kept open, it lets a baseline round run right next to each round of another
+    approach (see `asyncwt._bench._run`), so a machine whose speed drifts within
+    seconds does not land the two in different phases. The receive buffer is
+    allocated and touched once, on entry.
+    """
+
+    def __init__(self, total: int, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+        self.total = total
+        self._log_dir = log_dir
+        self._env = env
+        self._stack = contextlib.ExitStack()
+        self._sock: socket.socket | None = None
+        self._child: Child | None = None
+        self._buffer: torch.Tensor | None = None
+        self._view: memoryview | None = None
+
+    def __enter__(self) -> Self:
+        with contextlib.ExitStack() as stack:
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            args = {"port": listener.getsockname()[1], "total": self.total}
+            child = stack.enter_context(start_child("raw-send", args, self._log_dir, self._env))
+            sock = stack.enter_context(accept_from(listener, child))
+            listener.close()
+            sock.settimeout(IO_TIMEOUT_S)
+            if recv_exact(sock, 1) != _READY:
+                raise child.failure("sent something other than READY")
+            self._buffer = empty_bytes(self.total)  # held: the view does not keep it alive
+            self._view = byte_view(self._buffer)
+            self._sock, self._child = sock, child
+            self._stack = stack.pop_all()
+        return self
+
+    def round_s(self, chunk: int) -> float:
+        """One round: the child sends `total` bytes in `chunk`-sized `sendall`s; seconds."""
+        if self._sock is None or self._view is None:
+            raise RuntimeError("RawLoopback.round_s called outside its `with` block")
         start = time.perf_counter()
-        sock.sendall(_GO.pack(b"G", chunk))
-        recv_into_all(sock, view, chunk)
+        self._sock.sendall(_GO.pack(b"G", chunk))
+        recv_into_all(self._sock, self._view, chunk)
         return time.perf_counter() - start
 
-    return one
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        """Let the child exit on its own after a clean run; stop it otherwise."""
+        try:
+            if exc_type is None and self._sock is not None and self._child is not None:
+                self._sock.sendall(_GO.pack(b"Q", 0))
+                self._child.wait(IO_TIMEOUT_S)
+        finally:
+            self._sock, self._child, self._view, self._buffer = None, None, None, None
+            self._stack.close()
 
 
 def raw_sender(port: int, total: int) -> None:

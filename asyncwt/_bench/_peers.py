@@ -19,6 +19,7 @@ asyncwt's `send_weights`). The worker checks its checksum once at the end.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import struct
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from .._bytes import byte_view, empty_bytes
 from .._checksum import model_checksum
@@ -38,7 +40,7 @@ from ._model import LlamaShape, worker_model_for
 from ._procs import Child, accept_from, start_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
-__all__ = ["PEERS", "PEER_TITLES", "measure_peer", "peer_worker"]
+__all__ = ["PEERS", "PEER_TITLES", "SOCKET_PEERS", "SocketPeer", "measure_peer", "peer_worker"]
 
 PEERS = ("naive", "gloo", "packed")
 """Peer approaches, in the order they are run and reported."""
@@ -83,24 +85,101 @@ def measure_peer(
     }
     if approach == "gloo":
         return _measure_gloo(model, rounds, args, expected_checksum, log_dir, env)
-    if approach not in ("naive", "packed"):
+    if approach not in SOCKET_PEERS:
         raise ValueError(f"approach should be one of {PEERS}, got {approach!r}")
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        args["port"] = listener.getsockname()[1]
-        with start_child(f"peer-{approach}", args, log_dir, env) as child:
-            sock = accept_from(listener, child)
-            with sock:
-                sock.settimeout(IO_TIMEOUT_S)
-                if recv_exact(sock, 1) != _READY:
-                    raise child.failure("sent something other than READY")
-                if approach == "naive":
-                    one = _naive_round(sock, model)
-                else:
-                    one = _packed_round(sock, model, bucket_bytes)
-                result = _timed_with_memory(child, rounds, one, _model_bytes(model))
-                checksum = recv_exact(sock, 64).decode()
-                child.wait(IO_TIMEOUT_S)
+    with SocketPeer(
+        approach, model, shape, rounds=rounds.total, bucket_bytes=bucket_bytes,
+        log_dir=log_dir, env=env,
+    ) as peer:  # fmt: skip
+        result = _timed_with_memory(peer.child, rounds, peer.round_s, _model_bytes(model))
+        checksum = peer.finish()
     return _finish(result, checksum, expected_checksum)
+
+
+SOCKET_PEERS = ("naive", "packed")
+"""The peers that run over one plain socket (`SocketPeer`)."""
+
+
+class SocketPeer:
+    """A socket peer's worker child, connected and ready for exactly `rounds` rounds.
+
+    `round_s()` runs one round and returns its seconds; `finish()`, after the last
+    round, returns the worker's model checksum. Kept open across other work, it lets
+    the benchmark run a peer round right next to each asyncwt round.
+    """
+
+    def __init__(
+        self,
+        approach: str,
+        model: torch.nn.Module,
+        shape: LlamaShape,
+        *,
+        rounds: int,
+        bucket_bytes: int,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if approach not in SOCKET_PEERS:
+            raise ValueError(f"approach should be one of {SOCKET_PEERS}, got {approach!r}")
+        self.approach = approach
+        self._model = model
+        self._bucket_bytes = bucket_bytes
+        self._log_dir = log_dir
+        self._env = env
+        self._args: dict[str, Any] = {
+            "approach": approach,
+            "shape": shape.to_json(),
+            "rounds": rounds,
+            "bucket_bytes": bucket_bytes,
+        }
+        self._stack = contextlib.ExitStack()
+        self._child: Child | None = None
+        self._sock: socket.socket | None = None
+        self._one: Callable[[], float] | None = None
+
+    @property
+    def child(self) -> Child:
+        if self._child is None:
+            raise RuntimeError("SocketPeer used outside its `with` block")
+        return self._child
+
+    def __enter__(self) -> Self:
+        with contextlib.ExitStack() as stack:
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            args = {**self._args, "port": listener.getsockname()[1]}
+            child = stack.enter_context(
+                start_child(f"peer-{self.approach}", args, self._log_dir, self._env)
+            )
+            sock = stack.enter_context(accept_from(listener, child))
+            listener.close()
+            sock.settimeout(IO_TIMEOUT_S)
+            if recv_exact(sock, 1) != _READY:
+                raise child.failure("sent something other than READY")
+            if self.approach == "naive":
+                self._one = _naive_round(sock, self._model)
+            else:
+                self._one = _packed_round(sock, self._model, self._bucket_bytes)
+            self._child, self._sock = child, sock
+            self._stack = stack.pop_all()
+        return self
+
+    def round_s(self) -> float:
+        """One round, start to the worker's last acknowledgement; seconds."""
+        if self._one is None:
+            raise RuntimeError("SocketPeer used outside its `with` block")
+        return self._one()
+
+    def finish(self) -> str:
+        """After the last round: the worker's model checksum (and its clean exit)."""
+        if self._sock is None:
+            raise RuntimeError("SocketPeer used outside its `with` block")
+        checksum = recv_exact(self._sock, 64).decode()
+        self.child.wait(IO_TIMEOUT_S)
+        return checksum
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._child, self._sock, self._one = None, None, None
+        self._stack.close()
 
 
 def _model_bytes(model: torch.nn.Module) -> int:

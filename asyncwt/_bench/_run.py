@@ -40,6 +40,7 @@ from ._overlap import (
     set_transform_delay,
     transform_jobs,
 )
+from ._paired import PairedBaselines
 from ._peers import PEERS, measure_peer
 from ._procs import Child, start_asyncwt_worker
 from ._util import Rounds
@@ -266,10 +267,16 @@ def _run_backend(
     )
     transform = "asyncwt._bench._overlap:bench_transform"
 
-    def trainer(worker: Child, url: str, jobs: list[TrainerJob]) -> list[dict[str, Any]]:
+    def trainer(
+        worker: Child,
+        url: str,
+        jobs: list[TrainerJob],
+        between_rounds: Callable[[str, int], None] | None = None,
+    ) -> list[dict[str, Any]]:
         checksum, records = run_trainer(
             backend, url=url, worker=worker, shape=shape, seed=settings.seed,
             rounds=settings.rounds, jobs=jobs, log_dir=log_dir, env=env,
+            between_rounds=between_rounds,
         )  # fmt: skip
         if checksum != expected:
             raise RuntimeError(
@@ -278,28 +285,51 @@ def _run_backend(
             )
         return records
 
-    # 1. The default configuration against a plain worker (the headline), then the sweep.
+    # 1. The default configuration against a plain worker (the headline), each round
+    #    paired with a raw loopback round run right before it; again, paired with naive
+    #    rounds; then the sweep.
     worker, url = start_asyncwt_worker(
         backend=name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
         role=f"worker-{name}",
     )  # fmt: skip
-    with worker:
+    headline_rounds = Rounds(
+        rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup
+    )
+    paired = PairedBaselines(
+        model, shape, rounds=headline_rounds,
+        raw_chunk=int(report["limits"]["raw_loopback"]["chunk_bytes"]),
+        naive="naive" in settings.peers, log_dir=log_dir, env=settings.child_env(),
+    )  # fmt: skip
+    with worker, paired:
         jobs = [
             TrainerJob(
-                label="direct",
+                label=label,
                 config=default,
                 verify=True,
                 worker_baseline_bytes=rss_bytes(worker.pid),
+                rounds=paired.job_rounds,
+                gated=True,
             )
+            for label in paired.jobs
         ]
         if settings.sweep:
             jobs += [
                 TrainerJob(label="sweep direct", config=c) for c in _grid(settings, zero_copy=True)
             ]
         log(
-            f"asyncwt {name}: default configuration (direct landing), then {len(jobs) - 1} sweep runs, against {url}"
+            f"asyncwt {name}: default configuration (direct landing), paired round for round "
+            f"with {' and '.join(paired.jobs.values())}, then {len(jobs) - len(paired.jobs)} "
+            f"sweep runs, against {url}"
         )
-        direct, *sweep_direct = trainer(worker, url, jobs)
+        records = trainer(worker, url, jobs, between_rounds=paired.between)
+        headline = dict(zip(paired.jobs, records, strict=False))
+        sweep_direct = records[len(headline) :]
+        direct = headline[PairedBaselines.RAW_JOB]
+        direct["paired"] = paired.result(headline, expected)
+        if PairedBaselines.NAIVE_JOB in headline:
+            direct["bit_exact"] = (
+                direct["bit_exact"] and headline[PairedBaselines.NAIVE_JOB]["bit_exact"]
+            )
 
     # 2. The staged path: the trainer packs every bucket, the worker receives into
     #    buffers and applies through an (instant) identity transform; then the wire
@@ -470,7 +500,9 @@ class _ApplyBench:
     """`Rounds.measure` record of the stage with a transform that takes no time."""
 
     @classmethod
-    def build(cls, backend: BackendEntry, settings: BenchSettings, shape: LlamaShape) -> _ApplyBench:
+    def build(
+        cls, backend: BackendEntry, settings: BenchSettings, shape: LlamaShape
+    ) -> _ApplyBench:
         worker = SyntheticLlama(shape)
         plan = TransferPlan.build(ModuleSource(worker).metadata, bucket_bytes=settings.bucket_bytes)
         stage = ApplyStage(
@@ -673,8 +705,8 @@ def _overlap_pairs(
     )  # fmt: skip
     pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
     # Every job costs its bytes at the transform's rate plus the copies' (measured).
-    copy_s_per_bucket = apply.copies["median_s"] * settings.apply_threads * (
-        plan.bucket_bytes / plan.total_bytes
+    copy_s_per_bucket = (
+        apply.copies["median_s"] * settings.apply_threads * (plan.bucket_bytes / plan.total_bytes)
     )
     floors = {
         mode: transform_floor(
