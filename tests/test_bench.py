@@ -22,7 +22,7 @@ from asyncwt._bench._floors import gather_wire_floors, transform_floor
 from asyncwt._bench._memory import MemoryProbe
 from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worker_model_for
 from asyncwt._bench._overlap import TransformConfig, set_transform_delay
-from asyncwt._bench._run import _summarize_sweep
+from asyncwt._bench._run import BALANCE_WITHIN, PAIR_ATTEMPTS, _summarize_sweep
 from asyncwt._bench._util import Rounds
 from asyncwt._checksum import model_checksum
 from asyncwt._meta import ParamMeta
@@ -67,6 +67,14 @@ def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str
         assert len(alone["rounds_s"]) == len(pair["overlapped"]["rounds_s"]) >= 5
         assert pair["stage_alone_s"]["wire"] == alone["median_s"]
         assert pair["timeline"] is not None and pair["floor"]
+        # Calibrated again while off balance; the attempt closest to balance is kept.
+        attempts = pair["attempts"]
+        assert 1 <= len(attempts) <= PAIR_ATTEMPTS
+        assert [a["kept"] for a in attempts].count(True) == 1
+        kept = next(a for a in attempts if a["kept"])
+        assert kept["off_balance"] == min(a["off_balance"] for a in attempts)
+        assert kept["median_s"] == pair["overlapped"]["median_s"]
+        assert all(a["off_balance"] > BALANCE_WITHIN for a in attempts[:-1])
     assert set(report["memory"]["tcp"]) == {"model_bytes", "direct", "staged"}
     assert {r["mode"] for r in report["sweep"]["tcp"]["rows"]} == {"direct", "staged"}
 

@@ -311,6 +311,16 @@ def format_table(report: dict[str, Any]) -> str:
                     else ""
                 )
             )
+            attempts = pair.get("attempts", [])
+            if len(attempts) > 1:
+                lines.append(
+                    f"    calibrated {len(attempts)} times to balance the stages; kept the closest: "
+                    + ", ".join(
+                        f"{'[' if a['kept'] else ''}{a['off_balance']:.2f}:1 -> "
+                        f"{a['total_vs_slower']:.2f}x{']' if a['kept'] else ''}"
+                        for a in attempts
+                    )
+                )
             if "floor" in pair:
                 lines.append(
                     "    floor (an ideal pipeline of the same work, no overhead): "
