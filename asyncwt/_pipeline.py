@@ -69,7 +69,7 @@ class PipelineConfig:
     """Buckets in flight between pack and send (each may hold one staging buffer)."""
     zero_copy: bool = True
     """Send contiguous CPU tensors in place instead of packing them."""
-    queue_depth: int = 2
+    queue_depth: int = 4
     """Buckets the iterate stage may run ahead of the pack stage."""
 
 

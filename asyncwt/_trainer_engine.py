@@ -90,7 +90,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         self._pack_lane = DeviceLane(device)
         self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
         self._pipeline = PipelineConfig(
-            num_buffers=settings.num_buffers, zero_copy=settings.zero_copy
+            num_buffers=settings.num_buffers,
+            zero_copy=settings.zero_copy,
+            queue_depth=settings.read_ahead,
         )
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]

@@ -226,6 +226,56 @@ async def test_the_first_tensors_are_gathered_while_the_round_opens(
         assert yielded < started - 0.3, "the source should be iterated while start runs"
 
 
+class YieldTimesSource(ModuleSource):
+    """Notes when each tensor of the first pass was yielded."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.yielded_at: list[float] = []
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        first = not self.yielded_at
+        for pair in super().iter_full():
+            if first:
+                self.yielded_at.append(time.monotonic())
+            yield pair
+
+
+@uvloop_only
+@pytest.mark.parametrize("read_ahead", [1, 3])
+async def test_the_source_runs_read_ahead_buckets_ahead_while_the_round_opens(
+    mixed_worker: str, backend: str, read_ahead: int
+) -> None:
+    model = _models.mixed()
+    source = YieldTimesSource(model)
+    async with SlowStartClient(mixed_worker, delay_s=0.5) as client:
+        info = info_for(backend, read_ahead=read_ahead)
+        engine = await trainer_init(info, client=client, source=source)
+        async with engine:
+            buckets = engine.plan.buckets
+            assert len(buckets) > read_ahead + 1, "the test needs more buckets than that"
+            await engine.send_weights(weight_version="v1")
+            await assert_worker_has(client, model, "v1")
+    # Before the round opened nothing was packed: `read_ahead` buckets waited for the
+    # pack stage, and the iterate stage stopped right after completing one more.
+    (started,) = client.started_at
+    before_open = sum(1 for t in source.yielded_at if t < started)
+    assert before_open == buckets[read_ahead].slices[-1].param + 1
+
+
+@pytest.mark.parametrize(
+    ("read_ahead", "message"),
+    [
+        (0, r"^read_ahead should be a positive int, got 0$"),
+        (65, r"^read_ahead should be at most 64, got 65$"),
+        (2.0, r"^read_ahead should be a positive int, got 2\.0$"),
+    ],
+)
+def test_read_ahead_out_of_range_is_rejected_by_name(read_ahead: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        info_for("tcp", read_ahead=read_ahead)
+
+
 async def _fails_then_the_next_round_arrives(
     engine: Any,
     client: HttpClient,
