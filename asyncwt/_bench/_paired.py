@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -41,8 +42,11 @@ class PairedBaselines:
     it ran slower (measured here: asyncwt 0.35 to 0.77 s right after a naive round,
     0.26 to 0.38 s right after a raw one). Blocks make every counted round follow a
     round of its own kind, the steady state each approach has when run alone, while
-    the two stay seconds apart. Each baseline pairs with a job of its own
-    (`RAW_JOB`, `NAIVE_JOB`).
+    the two stay seconds apart. The aftermath outlasts a round, though: in blocks
+    alone, asyncwt's counted rounds after a naive block still took 0.35 to 0.57 s
+    against 0.25 to 0.36 s beside raw loopback in the same minute, so the asyncwt
+    block starts `SETTLE_S` after the baseline block ends. Each baseline pairs with
+    a job of its own (`RAW_JOB`, `NAIVE_JOB`).
 
     Use: enter; run the jobs of `jobs` with `job_rounds` timed rounds each (after
     `rounds.warmup` warm-up rounds), passing `between` as `run_trainer`'s
@@ -50,6 +54,10 @@ class PairedBaselines:
     """
 
     BLOCK = 2
+    SETTLE_S = 2.0
+    """Seconds between a baseline block's end and the asyncwt block's start: after
+    a naive round, raw loopback rounds here took up to 0.87 s for about 1.7 s, then
+    0.26 to 0.45 s again."""
     RAW_JOB = "direct"
     NAIVE_JOB = "direct, beside naive"
 
@@ -116,6 +124,7 @@ class PairedBaselines:
             else:
                 seconds = self._raw.round_s(self.raw_chunk)
         self._seconds[baseline].append(seconds)
+        time.sleep(self.SETTLE_S)  # let the baseline's aftermath pass
 
     def result(
         self, records: Mapping[str, dict[str, Any]], expected_checksum: str
