@@ -143,6 +143,22 @@ def test_bench_tiny_pairs_each_headline_round_with_the_baselines_before_it(
     assert naive_bar["value"] == pytest.approx(paired["vs"]["naive"])
 
 
+@pytest.mark.timeout(300)
+def test_the_overlap_pairs_script_runs_each_pair(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny", "--reps", "1", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "tcp rep 0 gather+wire",
+        "tcp rep 0 wire+transform",
+    ]
+    assert all("x the slower alone" in line for line in lines)
+
+
 def test_llama_shape_for_mib_lands_near_the_target() -> None:
     for mib in (8, 64, 1024):
         shape = LlamaShape.for_mib(mib)
