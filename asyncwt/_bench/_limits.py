@@ -27,7 +27,7 @@ import torch
 from typing_extensions import Self
 
 from .._bytes import byte_view, empty_bytes
-from ._procs import Child, accept_from, start_child
+from ._procs import READY, Child, connect_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
 __all__ = ["RAW_CHUNKS", "RawLoopback", "measure_memcpy", "measure_raw_loopback", "raw_sender"]
@@ -36,7 +36,6 @@ RAW_CHUNKS = (1 << 20, 4 << 20)
 """Chunk sizes (bytes per `sendall`/`recv_into`) tried for raw loopback."""
 
 _GO = struct.Struct("!cI")
-_READY = b"R"
 
 
 def measure_memcpy(model: torch.nn.Module, rounds: Rounds) -> dict[str, Any]:
@@ -100,14 +99,9 @@ class RawLoopback:
 
     def __enter__(self) -> Self:
         with contextlib.ExitStack() as stack:
-            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-            args = {"port": listener.getsockname()[1], "total": self.total}
-            child = stack.enter_context(start_child("raw-send", args, self._log_dir, self._env))
-            sock = stack.enter_context(accept_from(listener, child))
-            listener.close()
-            sock.settimeout(IO_TIMEOUT_S)
-            if recv_exact(sock, 1) != _READY:
-                raise child.failure("sent something other than READY")
+            child, sock = connect_child(
+                stack, "raw-send", {"total": self.total}, self._log_dir, self._env, IO_TIMEOUT_S
+            )
             self._buffer = empty_bytes(self.total)  # held: the view does not keep it alive
             self._view = byte_view(self._buffer)
             self._sock, self._child = sock, child
@@ -142,7 +136,7 @@ def raw_sender(port: int, total: int) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S) as sock:
         sock.settimeout(None)  # plain blocking calls: the fastest path (the parent times out)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(_READY)
+        sock.sendall(READY)
         while True:
             command, chunk = _GO.unpack(recv_exact(sock, _GO.size))
             if command == b"Q":

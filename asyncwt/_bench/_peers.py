@@ -37,7 +37,7 @@ from .._plan import TransferPlan
 from .._source import ModuleSource
 from ._memory import MemoryProbe
 from ._model import LlamaShape, worker_model_for
-from ._procs import Child, accept_from, start_child
+from ._procs import READY, Child, connect_child, start_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
 __all__ = ["PEERS", "PEER_TITLES", "SOCKET_PEERS", "SocketPeer", "measure_peer", "peer_worker"]
@@ -53,7 +53,6 @@ PEER_TITLES = {
 
 _CHUNK = 1 << 20
 _ACK = b"A"
-_READY = b"R"
 _NAIVE_HEADER = struct.Struct("!HQ")
 _BUCKET_HEADER = struct.Struct("!IQ")
 
@@ -77,13 +76,9 @@ def measure_peer(
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run `approach` for warmup + rounds; timings, memory both sides, bit-exactness."""
-    args: dict[str, Any] = {
-        "approach": approach,
-        "shape": shape.to_json(),
-        "rounds": rounds.total,
-        "bucket_bytes": bucket_bytes,
-    }
     if approach == "gloo":
+        args = {"approach": approach, "shape": shape.to_json(), "rounds": rounds.total,
+                "bucket_bytes": bucket_bytes}  # fmt: skip
         return _measure_gloo(model, rounds, args, expected_checksum, log_dir, env)
     if approach not in SOCKET_PEERS:
         raise ValueError(f"approach should be one of {PEERS}, got {approach!r}")
@@ -145,16 +140,9 @@ class SocketPeer:
 
     def __enter__(self) -> Self:
         with contextlib.ExitStack() as stack:
-            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-            args = {**self._args, "port": listener.getsockname()[1]}
-            child = stack.enter_context(
-                start_child(f"peer-{self.approach}", args, self._log_dir, self._env)
+            child, sock = connect_child(
+                stack, f"peer-{self.approach}", self._args, self._log_dir, self._env, IO_TIMEOUT_S
             )
-            sock = stack.enter_context(accept_from(listener, child))
-            listener.close()
-            sock.settimeout(IO_TIMEOUT_S)
-            if recv_exact(sock, 1) != _READY:
-                raise child.failure("sent something other than READY")
             if self.approach == "naive":
                 self._one = _naive_round(sock, self._model)
             else:
@@ -328,7 +316,7 @@ def peer_worker(approach: str, shape: str, rounds: int, bucket_bytes: int, port:
         return
     with socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(_READY)
+        sock.sendall(READY)
         for _ in range(rounds):
             if approach == "naive":
                 _naive_receive(sock, model)

@@ -7,6 +7,7 @@ error or on Ctrl-C) sends SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,8 +24,18 @@ from typing import Any
 
 from typing_extensions import Self
 
-__all__ = ["BenchChildError", "Child", "accept_from", "start_asyncwt_worker", "start_child"]
+__all__ = [
+    "READY",
+    "BenchChildError",
+    "Child",
+    "accept_from",
+    "connect_child",
+    "start_asyncwt_worker",
+    "start_child",
+]
 
+READY = b"R"
+"""What a child that connects back sends first (see `connect_child`)."""
 START_TIMEOUT_S = 120.0
 """Seconds a child may take to start (import torch, build a GiB-sized model)."""
 STOP_GRACE_S = 10.0
@@ -217,3 +228,25 @@ def accept_from(
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+
+def connect_child(
+    stack: contextlib.ExitStack,
+    role: str,
+    args: dict[str, Any],
+    log_dir: Path,
+    env: Mapping[str, str] | None,
+    io_timeout: float,
+) -> tuple[Child, socket.socket]:
+    """Start a child that connects back to a loopback port (added to `args` as
+    `port`) and sends `READY`; the child and its socket, both closed by `stack`."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = stack.enter_context(
+            start_child(role, {**args, "port": listener.getsockname()[1]}, log_dir, env)
+        )
+        sock = stack.enter_context(accept_from(listener, child))
+    sock.settimeout(io_timeout)
+    first = sock.recv(1)
+    if first != READY:
+        raise child.failure(f"sent {first!r} instead of READY")
+    return child, sock
