@@ -33,6 +33,7 @@ from ._concurrency import single_error
 from ._exceptions import SourceMismatchError
 from ._lanes import DeviceLane, LaneEvent, staging_buffer
 from ._plan import Bucket, Slice, TransferPlan
+from ._sched import bulk_work, prompt_wakeups
 from ._source import WeightSource
 from ._stats import StageClock
 
@@ -211,7 +212,7 @@ def iterate_and_check(
     pairs = _iter_pairs(source)
     pos = 0
     try:
-        with lane.activate():
+        with lane.activate(), prompt_wakeups():
             for name, tensor in pairs:
                 _check_yield(plan, expected, pos, name, tensor)
                 pos += 1
@@ -236,7 +237,7 @@ def _iterate(
     pos = 0
     pairs = _iter_pairs(source)
     try:
-        with lane.activate():
+        with lane.activate(), prompt_wakeups():
             lane.wait_on(caller_ready)  # the weights as of the send_weights call
             clock.start()
             for name, tensor in pairs:
@@ -286,6 +287,17 @@ def _copy_into(
             if tensor.is_cuda and lane.stream is not None:
                 tensor.record_stream(lane.stream)
         return lane.record()
+
+
+def _copy_into_bulk(
+    staging: torch.Tensor,
+    copies: list[tuple[Slice, torch.Tensor]],
+    lane: DeviceLane,
+    ready: LaneEvent,
+) -> LaneEvent:
+    """`_copy_into` on a pack thread, as bulk work (see `asyncwt._sched`)."""
+    with bulk_work():
+        return _copy_into(staging, copies, lane, ready)
 
 
 async def _pack(
@@ -347,7 +359,7 @@ async def _pack_each(
                 ready = _copy_into(staging, copies, lane, work.ready)
             else:
                 ready = await anyio.to_thread.run_sync(
-                    functools.partial(_copy_into, staging, copies, lane, work.ready)
+                    functools.partial(_copy_into_bulk, staging, copies, lane, work.ready)
                 )
         clock.stop()
         try:

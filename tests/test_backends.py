@@ -9,6 +9,7 @@ connections, killed or stopped peers, cancellation) are in `test_faults.py`.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,9 +36,12 @@ from asyncwt import (
     ModuleSource,
     SourceMismatchError,
     TrainerInitInfo,
+    _pipeline,
+    _sched,
     trainer_init,
 )
 from asyncwt._launch import worker_process
+from asyncwt._sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -261,6 +265,53 @@ async def test_the_source_runs_read_ahead_buckets_ahead_while_the_round_opens(
     (started,) = client.started_at
     before_open = sum(1 for t in source.yielded_at if t < started)
     assert before_open == buckets[read_ahead].slices[-1].param + 1
+
+
+class SliceRecordingSource(ModuleSource):
+    """Notes the scheduler slice of the thread that yields each tensor, and which thread."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.slices: list[int | None] = []
+        self.threads: set[int] = set()
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for pair in super().iter_full():
+            self.slices.append(thread_slice_ns())
+            self.threads.add(threading.get_ident())
+            yield pair
+
+
+@uvloop_only
+async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
+    mixed_worker: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source runs on a thread with a short slice, the pack copies on one with a
+    long slice (see `asyncwt._sched`); the caller's thread is left as it was."""
+    model = _models.mixed()
+    source = SliceRecordingSource(model)
+    pack_slices: list[int | None] = []
+    copy_into = _pipeline._copy_into
+
+    def recording_copy_into(*args: Any) -> Any:
+        pack_slices.append(thread_slice_ns())
+        return copy_into(*args)
+
+    monkeypatch.setattr(_pipeline, "_copy_into", recording_copy_into)
+    own_slice = thread_slice_ns()
+    async with HttpClient(mixed_worker) as client:
+        info = info_for(backend, zero_copy=False)  # every tensor is packed
+        engine = await trainer_init(info, client=client, source=source)
+        async with engine:
+            await engine.send_weights(weight_version="v1")
+            await assert_worker_has(client, model, "v1")
+    assert len(source.slices) == len(engine.plan.params)
+    assert threading.get_ident() not in source.threads
+    hinted = _sched.hints_enabled() and bool(own_slice)  # a kernel that takes requests
+    assert set(source.slices) == {SHORT_SLICE_NS if hinted else own_slice}
+    assert len(pack_slices) == len(engine.plan.buckets)
+    assert set(pack_slices) == {BULK_SLICE_NS if hinted else own_slice}
+    assert thread_slice_ns() == own_slice
 
 
 @pytest.mark.parametrize(
