@@ -32,11 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="tcp", help="comma-separated (default tcp)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions (default 2)")
     parser.add_argument(
+        "--pairs", default=",".join(_run.PAIR_NAMES),
+        help=f"comma-separated, of {', '.join(_run.PAIR_NAMES)} (default: both)",
+    )  # fmt: skip
+    parser.add_argument(
         "--preset", choices=sorted(_run.PRESETS), default="default",
         help="model and bucket sizes, as asyncwt bench's (default: the 1 GiB model)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-pairs-out"), help="logs folder")
     args = parser.parse_args(argv)
+    pair_names = args.pairs.split(",")
+    for name in pair_names:
+        if name not in _run.PAIR_NAMES:
+            parser.error(f"--pairs should name pairs of {_run.PAIR_NAMES}, got {name!r}")
     settings = _run.BenchSettings.from_preset(args.preset, out=args.out)
     torch.set_num_threads(settings.torch_threads)
     shape = LlamaShape.for_mib(settings.model_mib)
@@ -59,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         apply = _run._ApplyBench.build(backend, settings, shape)
         for rep in range(args.reps):
             pairs = _run._overlap_pairs(
-                backend, settings, model, shape, apply, trainer, lambda _: None, log_dir, env
-            )
+                backend, settings, model, shape, apply, trainer, lambda _: None, log_dir, env,
+                pairs=pair_names,
+            )  # fmt: skip
             for name, pair in pairs.items():
                 print(
                     f"{backend.name} rep {rep} {name}: {pair['total_vs_slowest']:.3f}x the slower "

@@ -159,6 +159,18 @@ def test_the_overlap_pairs_script_runs_each_pair(tmp_path: Path) -> None:
     assert all("x the slower alone" in line for line in lines)
 
 
+def test_the_overlap_pairs_script_names_a_pair_it_does_not_know() -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--pairs", "gather+wire,gather+transform"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].endswith(
+        "--pairs should name pairs of ('gather+wire', 'wire+transform'), got 'gather+transform'"
+    )
+
+
 def test_llama_shape_for_mib_lands_near_the_target() -> None:
     for mib in (8, 64, 1024):
         shape = LlamaShape.for_mib(mib)

@@ -15,7 +15,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,8 @@ a pair further off is calibrated again against the wire it met and run again..."
 PAIR_ATTEMPTS = 3
 """...at most this many times in all; the attempt closest to balance is the one
 reported (whatever its ratio), every attempt is kept in the JSON."""
+PAIR_NAMES = ("gather+wire", "wire+transform")
+"""The overlap pairs, in the order they run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -613,6 +615,7 @@ def _overlap_pairs(
     log: Log,
     log_dir: Path,
     env: dict[str, str],
+    pairs: Collection[str] = PAIR_NAMES,
 ) -> dict[str, dict[str, Any]]:
     """The bar's case: two stages of about the same cost, each pair on its own.
 
@@ -632,138 +635,145 @@ def _overlap_pairs(
     config, more = settings.config, _more_buffers(settings)
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
     rounds = Rounds(rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup)
-    pairs: dict[str, dict[str, Any]] = {}
 
     def calibrate(worker: Child, url: str) -> float:
         """The wire alone against `worker`, measured right before the pair."""
         job = TrainerJob(label="calibration", config=config, rounds=rounds.rounds)
-        (record,) = trainer(worker, url, [job])
-        return float(record["median_s"])
+        (result,) = trainer(worker, url, [job])
+        return float(result["median_s"])
 
-    # gather + wire, against a plain worker (the headline's configuration).
-    worker, url = start_asyncwt_worker(
-        backend=backend.name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
-        role=f"worker-{backend.name}-pair",
-    )  # fmt: skip
-    with worker:
-        target = settings.gather_x * calibrate(worker, url)
-        tries: list[dict[str, Any]] = []
-        for attempt in range(1, PAIR_ATTEMPTS + 1):
-            delay, gather_alone = _calibrated_gather(model, target, rounds, plan.total_bytes)
-            log(
-                f"overlap pair (attempt {attempt}): slow gather ({delay * 1e3:.2f} ms/tensor) -> "
-                f"{backend.name}, interleaved with the wire alone, against {url}"
-            )
-            jobs = [
-                TrainerJob(
-                    label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True,
-                    rounds=rounds.rounds, interleaved=True,
+    def gather_wire() -> dict[str, Any]:
+        """A slow gather into a plain worker (the headline's configuration)."""
+        worker, url = start_asyncwt_worker(
+            backend=backend.name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
+            role=f"worker-{backend.name}-pair",
+        )  # fmt: skip
+        with worker:
+            target = settings.gather_x * calibrate(worker, url)
+            tries: list[dict[str, Any]] = []
+            for attempt in range(1, PAIR_ATTEMPTS + 1):
+                delay, gather_alone = _calibrated_gather(model, target, rounds, plan.total_bytes)
+                log(
+                    f"overlap pair (attempt {attempt}): slow gather ({delay * 1e3:.2f} ms/tensor) -> "
+                    f"{backend.name}, interleaved with the wire alone, against {url}"
                 )
-                for tag, c in (("", config), (", more buffers", more))
-            ]  # fmt: skip
-            total, more_total = trainer(worker, url, jobs)
-            wire_s = total["alone"]["median_s"]
-            tries.append({
-                "delay": delay, "gather_alone": gather_alone, "total": total,
-                "more_total": more_total,
-                "off": _off_balance(gather_alone["median_s"], settings.gather_x * wire_s),
-            })  # fmt: skip
-            if tries[-1]["off"] <= BALANCE_WITHIN:
-                break
-            target = settings.gather_x * wire_s  # the wire the pair just met
-        kept = min(tries, key=lambda t: float(t["off"]))
-        delay, gather_alone = kept["delay"], kept["gather_alone"]
-        total, more_total = kept["total"], kept["more_total"]
-    wire_s = total["alone"]["median_s"]
-    pairs["gather+wire"] = _overlap_record(
-        {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, 0,
-        {"gather": gather_alone["median_s"], "wire": more_total["alone"]["median_s"]},
-    )  # fmt: skip
-    pairs["gather+wire"]["gather_s_per_tensor"] = delay
-    pairs["gather+wire"]["attempts"] = _attempts(tries, kept, "gather_s_per_tensor", "delay")
-    floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
-    # What the same work would allow in registration order (LM head last).
-    registration = TransferPlan.build(
-        ModuleSource(model, layers_last=False).metadata, bucket_bytes=config.bucket_bytes
-    )
-    floors["bucket, registration order"] = gather_wire_floors(
-        registration, gather_alone["median_s"], wire_s
-    )["bucket"]
-    pairs["gather+wire"]["floor"] = _floor_record(floors, pairs["gather+wire"])
-
-    # wire + transform, against a worker whose transform the trainer switches.
-    events_path = log_dir / f"transform-events-{backend.name}-pair.txt"
-    control_path = log_dir / f"transform-control-{backend.name}-pair.txt"
-    events_path.unlink(missing_ok=True)
-    set_transform_delay(str(control_path), 0.0)  # instant until a slow round
-    switched = TransformConfig(
-        s_per_bucket=0.0, bucket_bytes=config.bucket_bytes,
-        events_path=str(events_path), control_path=str(control_path),
-    )  # fmt: skip
-    worker, url = _slow_transform_worker(
-        backend, settings, switched, log_dir, env, role=f"worker-{backend.name}-pair-transform"
-    )
-    with worker:
-        aim = calibrate(worker, url)
-        tries = []
-        for attempt in range(1, PAIR_ATTEMPTS + 1):
-            s_per_bucket = _calibrated_transform_s(settings, aim, plan, apply)
-            transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
-            transform_alone = apply.alone(transform, rounds)
-            log(
-                f"overlap pair (attempt {attempt}): {backend.name} -> slow transform "
-                f"({s_per_bucket * 1e3:.2f} ms/bucket), interleaved with the wire alone, against {url}"
-            )
-            jobs = [
-                TrainerJob(
-                    label=f"wire+transform{tag}", config=c, verify=True,
-                    events_path=str(events_path), transform_control=str(control_path),
-                    transform_s_per_bucket=s_per_bucket, rounds=rounds.rounds, interleaved=True,
-                )
-                for tag, c in (("", config), (", more buffers", more))
-            ]  # fmt: skip
-            total, more_total = trainer(worker, url, jobs)
-            wire_s, apply_s = total["alone"]["median_s"], transform_alone["median_s"]
-            tries.append({
-                "s_per_bucket": s_per_bucket, "transform_alone": transform_alone, "total": total,
-                "more_total": more_total,
-                "off": _off_balance(apply_s, settings.transform_x * wire_s),
-            })  # fmt: skip
-            if tries[-1]["off"] <= BALANCE_WITHIN:
-                break
-            # Aim at the wire the pair just met, corrected by how far the calibration
-            # itself missed its aim (the apply stage's own costs move with the machine).
-            aim = wire_s + (aim - apply_s / settings.transform_x)
-        kept = min(tries, key=lambda t: float(t["off"]))
-        s_per_bucket, transform_alone = kept["s_per_bucket"], kept["transform_alone"]
-        total, more_total = kept["total"], kept["more_total"]
-    wire_s = total["alone"]["median_s"]
-    apply_s = transform_alone["median_s"]
-    pairs["wire+transform"] = _overlap_record(
-        {"wire": wire_s, "transform": apply_s}, total, more_total, 0,
-        {"wire": more_total["alone"]["median_s"], "transform": apply_s},
-    )  # fmt: skip
-    pairs["wire+transform"]["transform_s_per_bucket"] = s_per_bucket
-    pairs["wire+transform"]["attempts"] = _attempts(
-        tries, kept, "transform_s_per_bucket", "s_per_bucket"
-    )
-    # Every job costs its bytes at the transform's rate plus the copies' (measured).
-    copy_s_per_bucket = (
-        apply.copies["median_s"] * settings.apply_threads * (plan.bucket_bytes / plan.total_bytes)
-    )
-    floors = {
-        mode: transform_floor(
-            plan,
-            transform_jobs(
-                model, plan, settings.apply_threads, elementwise=elementwise,
-                in_place=apply.stage.in_place,
-            ),
-            wire_s, s_per_bucket + copy_s_per_bucket, settings.apply_threads,
+                jobs = [
+                    TrainerJob(
+                        label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True,
+                        rounds=rounds.rounds, interleaved=True,
+                    )
+                    for tag, c in (("", config), (", more buffers", more))
+                ]  # fmt: skip
+                total, more_total = trainer(worker, url, jobs)
+                wire_s = total["alone"]["median_s"]
+                tries.append({
+                    "delay": delay, "gather_alone": gather_alone, "total": total,
+                    "more_total": more_total,
+                    "off": _off_balance(gather_alone["median_s"], settings.gather_x * wire_s),
+                })  # fmt: skip
+                if tries[-1]["off"] <= BALANCE_WITHIN:
+                    break
+                target = settings.gather_x * wire_s  # the wire the pair just met
+            kept = min(tries, key=lambda t: float(t["off"]))
+            delay, gather_alone = kept["delay"], kept["gather_alone"]
+            total, more_total = kept["total"], kept["more_total"]
+        wire_s = total["alone"]["median_s"]
+        record = _overlap_record(
+            {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, 0,
+            {"gather": gather_alone["median_s"], "wire": more_total["alone"]["median_s"]},
+        )  # fmt: skip
+        record["gather_s_per_tensor"] = delay
+        record["attempts"] = _attempts(tries, kept, "gather_s_per_tensor", "delay")
+        floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
+        # What the same work would allow in registration order (LM head last).
+        registration = TransferPlan.build(
+            ModuleSource(model, layers_last=False).metadata, bucket_bytes=config.bucket_bytes
         )
-        for mode, elementwise in (("elementwise", True), ("whole tensors", False))
-    }  # fmt: skip
-    pairs["wire+transform"]["floor"] = _floor_record(floors, pairs["wire+transform"])
-    return pairs
+        floors["bucket, registration order"] = gather_wire_floors(
+            registration, gather_alone["median_s"], wire_s
+        )["bucket"]
+        record["floor"] = _floor_record(floors, record)
+        return record
+
+    def wire_transform() -> dict[str, Any]:
+        """A plain source into a worker whose transform the trainer switches."""
+        events_path = log_dir / f"transform-events-{backend.name}-pair.txt"
+        control_path = log_dir / f"transform-control-{backend.name}-pair.txt"
+        events_path.unlink(missing_ok=True)
+        set_transform_delay(str(control_path), 0.0)  # instant until a slow round
+        switched = TransformConfig(
+            s_per_bucket=0.0, bucket_bytes=config.bucket_bytes,
+            events_path=str(events_path), control_path=str(control_path),
+        )  # fmt: skip
+        worker, url = _slow_transform_worker(
+            backend, settings, switched, log_dir, env, role=f"worker-{backend.name}-pair-transform"
+        )
+        with worker:
+            aim = calibrate(worker, url)
+            tries: list[dict[str, Any]] = []
+            for attempt in range(1, PAIR_ATTEMPTS + 1):
+                s_per_bucket = _calibrated_transform_s(settings, aim, plan, apply)
+                transform = TransformConfig(
+                    s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes
+                )
+                transform_alone = apply.alone(transform, rounds)
+                log(
+                    f"overlap pair (attempt {attempt}): {backend.name} -> slow transform "
+                    f"({s_per_bucket * 1e3:.2f} ms/bucket), interleaved with the wire alone, against {url}"
+                )
+                jobs = [
+                    TrainerJob(
+                        label=f"wire+transform{tag}", config=c, verify=True,
+                        events_path=str(events_path), transform_control=str(control_path),
+                        transform_s_per_bucket=s_per_bucket, rounds=rounds.rounds, interleaved=True,
+                    )
+                    for tag, c in (("", config), (", more buffers", more))
+                ]  # fmt: skip
+                total, more_total = trainer(worker, url, jobs)
+                wire_s, apply_s = total["alone"]["median_s"], transform_alone["median_s"]
+                tries.append({
+                    "s_per_bucket": s_per_bucket, "transform_alone": transform_alone, "total": total,
+                    "more_total": more_total,
+                    "off": _off_balance(apply_s, settings.transform_x * wire_s),
+                })  # fmt: skip
+                if tries[-1]["off"] <= BALANCE_WITHIN:
+                    break
+                # Aim at the wire the pair just met, corrected by how far the calibration
+                # itself missed its aim (the apply stage's own costs move with the machine).
+                aim = wire_s + (aim - apply_s / settings.transform_x)
+            kept = min(tries, key=lambda t: float(t["off"]))
+            s_per_bucket, transform_alone = kept["s_per_bucket"], kept["transform_alone"]
+            total, more_total = kept["total"], kept["more_total"]
+        wire_s = total["alone"]["median_s"]
+        apply_s = transform_alone["median_s"]
+        record = _overlap_record(
+            {"wire": wire_s, "transform": apply_s}, total, more_total, 0,
+            {"wire": more_total["alone"]["median_s"], "transform": apply_s},
+        )  # fmt: skip
+        record["transform_s_per_bucket"] = s_per_bucket
+        record["attempts"] = _attempts(tries, kept, "transform_s_per_bucket", "s_per_bucket")
+        # Every job costs its bytes at the transform's rate plus the copies' (measured).
+        copy_s_per_bucket = (
+            apply.copies["median_s"]
+            * settings.apply_threads
+            * (plan.bucket_bytes / plan.total_bytes)
+        )
+        floors = {
+            mode: transform_floor(
+                plan,
+                transform_jobs(
+                    model, plan, settings.apply_threads, elementwise=elementwise,
+                    in_place=apply.stage.in_place,
+                ),
+                wire_s, s_per_bucket + copy_s_per_bucket, settings.apply_threads,
+            )
+            for mode, elementwise in (("elementwise", True), ("whole tensors", False))
+        }  # fmt: skip
+        record["floor"] = _floor_record(floors, record)
+        return record
+
+    builders = {"gather+wire": gather_wire, "wire+transform": wire_transform}
+    return {name: builders[name]() for name in PAIR_NAMES if name in pairs}
 
 
 def _off_balance(stage_s: float, wire_s: float) -> float:
