@@ -142,5 +142,5 @@ def _slice_request(slice_ns: int) -> Iterator[None]:
     try:
         yield
     finally:
-        if changed:
+        if changed:  # a thread on the default slice gets it back as a request of that length
             _set_slice(attr, previous)
