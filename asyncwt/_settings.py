@@ -9,7 +9,13 @@ from typing import Any
 from ._plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
 from ._worker import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-__all__ = ["PipelineSettings", "RoundUpdateInfo", "WorkerPlanInfo", "check_positive"]
+__all__ = [
+    "PipelineSettings",
+    "RoundUpdateInfo",
+    "WorkerPlanInfo",
+    "check_at_most",
+    "check_positive",
+]
 
 _TIMEOUTS = (
     "connect_timeout",
@@ -20,9 +26,10 @@ _TIMEOUTS = (
     "rpc_timeout",
 )
 MAX_NUM_BUFFERS = 64
+"""Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
+on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""
 MAX_ROUND_ID = 2**64 - 1
 """Round ids travel in frame headers as unsigned 64-bit integers."""
-"""Upper bound on `num_buffers` a worker accepts: each is a bucket-sized allocation."""
 
 
 def check_positive(name: str, value: object, kind: type = int) -> None:
@@ -31,6 +38,12 @@ def check_positive(name: str, value: object, kind: type = int) -> None:
     ok = isinstance(value, allowed) and not isinstance(value, bool)
     if not ok or not value > 0 or not math.isfinite(value):  # type: ignore[operator,arg-type]
         raise ValueError(f"{name} should be a positive {kind.__name__}, got {value!r}")
+
+
+def check_at_most(name: str, value: int, limit: int) -> None:
+    """Raise `ValueError` naming `name` if `value` (already checked positive) exceeds `limit`."""
+    if value > limit:
+        raise ValueError(f"{name} should be at most {limit}, got {value}")
 
 
 def check_host(name: str, value: object) -> None:
@@ -99,10 +112,7 @@ class PipelineSettings:
         for name in ("bucket_bytes", "num_buffers", "alignment", "read_ahead"):
             check_positive(name, getattr(self, name))
         for name in ("num_buffers", "read_ahead"):
-            if getattr(self, name) > MAX_NUM_BUFFERS:
-                raise ValueError(
-                    f"{name} should be at most {MAX_NUM_BUFFERS}, got {getattr(self, name)}"
-                )
+            check_at_most(name, getattr(self, name), MAX_NUM_BUFFERS)
         for name in _TIMEOUTS:
             check_positive(name, getattr(self, name), float)
         if not isinstance(self.zero_copy, bool):
@@ -138,10 +148,7 @@ class WorkerPlanInfo(WeightTransferInitInfo):
             raise ValueError(f"plan should be a dict, got {type(self.plan).__name__}")
         self.transfer_plan = TransferPlan.from_wire(self.plan)
         check_positive("num_buffers", self.num_buffers)
-        if self.num_buffers > MAX_NUM_BUFFERS:
-            raise ValueError(
-                f"num_buffers should be at most {MAX_NUM_BUFFERS}, got {self.num_buffers}"
-            )
+        check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
         for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
             check_positive(name, getattr(self, name), float)
 
