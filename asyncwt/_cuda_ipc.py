@@ -175,7 +175,6 @@ class CudaIpcWorkerEngine(DeferredWorkerEngine):
     """Worker engine of the `"cuda_ipc"` backend: applies straight from the mapped ring."""
 
     init_info_cls = CudaIpcWorkerInitInfo
-    receives_in_place = False
 
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         return CudaIpcReceiver(info, plan, self.device)

@@ -89,6 +89,9 @@ class Peer:
     sock: socket.socket
     address: str
     broken: str | None = None
+    reads_directly: bool = False
+    """Whether its last READY said it reads buckets from this process's memory
+    (BUCKET_AT frames, same host) rather than from a shared ring."""
 
     def close(self, why: str) -> None:
         if self.broken is None:
@@ -107,6 +110,9 @@ class TrainerLinks:
         self.digest = digest_prefix(plan.digest)
         self.peers: list[Peer] = []
         self.round_id = 0
+        self.direct_reads = False
+        """Whether workers may read buckets from this process's memory: READY's
+        `slot` 1 says a worker does (see `Peer.reads_directly`)."""
 
     # -- init -------------------------------------------------------------------------
 
@@ -222,11 +228,16 @@ class TrainerLinks:
                     f"call trainer_init again to reconnect"
                 )
 
-    async def each(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-        """Run `fn(peer, *args)` for every peer concurrently."""
+    async def each(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, None]],
+        *args: Any,
+        among: list[Peer] | None = None,
+    ) -> None:
+        """Run `fn(peer, *args)` for every peer (or every peer `among`) concurrently."""
         with single_error():
             async with anyio.create_task_group() as tg:
-                for peer in self.peers:
+                for peer in self.peers if among is None else among:
                     tg.start_soon(fn, peer, *args)
 
     async def send_frame(self, peer: Peer, segments: list[memoryview], what: str) -> None:
@@ -285,9 +296,11 @@ class TrainerLinks:
             raise self.protocol_error(
                 peer, f"released bucket {frame.index}; the plan has {len(self.plan.buckets)}"
             )
-        if frame.kind == FrameKind.READY and (frame.index or frame.slot):
+        if frame.kind == FrameKind.READY and (frame.index or frame.slot > self.direct_reads):
             raise self.protocol_error(
-                peer, f"sent READY with bucket {frame.index} and slot {frame.slot}; both should be 0"
+                peer,
+                f"sent READY with bucket {frame.index} and slot {frame.slot}; bucket should be "
+                f"0 and slot at most {int(self.direct_reads)}",
             )
         return frame
 
@@ -325,6 +338,7 @@ class TrainerLinks:
                             peer, f"sent {frame.kind.name} while the trainer waited for READY"
                         )
                     if frame.round_id == round_id:
+                        peer.reads_directly = frame.slot == 1
                         return
         except TimeoutError:
             peer.close("did not start receiving")
@@ -463,16 +477,26 @@ class WorkerLink:
 
     `slots` is how many values a BUCKET header's `slot` may take (the shared ring's
     size for `"shm"`, `num_buffers` for `"torch_dist"`, 1 for `"tcp"`): every field
-    of every header is checked before anything it announces is read.
+    of every header is checked before anything it announces is read. A worker that
+    `reads_directly` says so in its READY frames and takes BUCKET_AT frames instead
+    of BUCKET ones.
     """
 
     def __init__(
-        self, sock: socket.socket, plan: TransferPlan, recv_timeout: float, *, slots: int = 1
+        self,
+        sock: socket.socket,
+        plan: TransferPlan,
+        recv_timeout: float,
+        *,
+        slots: int = 1,
+        reads_directly: bool = False,
     ) -> None:
         self.sock = sock
         self.plan = plan
         self.recv_timeout = recv_timeout
         self.slots = slots
+        self.reads_directly = reads_directly
+        self.bucket_kind = FrameKind.BUCKET_AT if reads_directly else FrameKind.BUCKET
         self.digest = digest_prefix(plan.digest)
         self.broken = False
         self.bucket: int | None = None
@@ -499,7 +523,7 @@ class WorkerLink:
         plan = self.plan
         self.sock.settimeout(self.recv_timeout)
         self.bucket, self.next_bucket = None, 0
-        self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0))
+        self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0, int(self.reads_directly)))
         if after_ready is not None:
             after_ready()
         expected = 0
@@ -532,8 +556,11 @@ class WorkerLink:
                         f"{frame.nbytes} bytes in slot {frame.slot}"
                     )
                 return
-            if frame.kind != FrameKind.BUCKET:
-                raise ProtocolError(f"round {round_id}: unexpected {frame.kind.name} frame")
+            if frame.kind != self.bucket_kind:
+                raise ProtocolError(
+                    f"round {round_id}: unexpected {frame.kind.name} frame (this worker takes "
+                    f"{self.bucket_kind.name})"
+                )
             if frame.index != expected or expected >= len(plan.buckets):
                 raise ProtocolError(
                     f"round {round_id}: expected bucket {expected}, got bucket {frame.index}"

@@ -46,7 +46,7 @@ class BucketSink(Protocol):
     min_view_bytes: int | None
     """Slices at least this long may be segments that point into the source's own
     CPU tensors (scatter-gather sends); shorter ones, and every slice when `None`,
-    are packed into `staging(slot)` or the pool."""
+    are packed into `staging(slot)` or the pool. Read once the round is open."""
 
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for `slot` (e.g. shared memory), or `None` to
@@ -312,11 +312,11 @@ async def _pack(
     clock: StageClock,
     opened: anyio.Event | None,
 ) -> None:
-    min_view = sink.min_view_bytes if zero_copy else None
     try:
         async with inbox, outbox:
             if opened is not None:
                 await opened.wait()  # the sink may be touched only once the round is open
+            min_view = sink.min_view_bytes if zero_copy else None  # may depend on the round
             await _pack_each(inbox, handoff, outbox, free_slots, pool, sink, lane, min_view, clock)
     finally:
         handoff.close()

@@ -30,7 +30,7 @@ __all__ = ["RingReceiver", "RingSender"]
 class RingSender(LinkedSender):
     """Packs buckets into the ring and announces each slot over the link."""
 
-    min_view_bytes = None
+    min_view_bytes: int | None = None
 
     def __init__(self, info: LinkedTrainerInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
@@ -110,6 +110,10 @@ class RingSender(LinkedSender):
 class RingReceiver(ReceiverTransport):
     """Maps the ring at init; yields each announced slot as the bucket's buffer, in place."""
 
+    lands_in_place = False
+    reads_directly = False
+    """Whether buckets come as addresses in the trainer's memory (see `_shm`)."""
+
     def __init__(self, info: TcpWorkerInitInfo, plan: TransferPlan) -> None:
         self.info = info
         self.plan = plan
@@ -131,7 +135,13 @@ class RingReceiver(ReceiverTransport):
         except BaseException:
             self.close()
             raise
-        self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=len(self.buffers))
+        self.link = WorkerLink(
+            sock,
+            self.plan,
+            info.recv_timeout,
+            slots=max(1, len(self.buffers)),
+            reads_directly=self.reads_directly,
+        )
 
     @property
     def usable(self) -> bool:

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._applier import ModelTarget
-from ._bytes import byte_view
 from ._link import WorkerLink, connect_link
 from ._plan import TransferPlan
 from ._sockio import recv_segments
@@ -15,10 +14,6 @@ from ._transport import ReceivedBucket, ReceiverTransport
 from ._worker_engine import DeferredWorkerEngine, ReceivePool
 
 __all__ = ["TcpReceiver", "TcpWorkerEngine"]
-
-
-def _nothing() -> None:
-    return None
 
 
 class TcpReceiver(ReceiverTransport):
@@ -50,17 +45,8 @@ class TcpReceiver(ReceiverTransport):
         with link.guard(round_id):
             for frame in link.frames(round_id):
                 bucket = self.plan.buckets[frame.index]
-                in_place = all(target.direct[s.param] for s in bucket.slices)
-                buffer, release = (None, _nothing) if in_place else self.pool.take()
+                buffer, release, segments = self.pool.landing(bucket, target)
                 try:
-                    staging = byte_view(buffer) if buffer is not None else None
-                    segments = []
-                    for s in bucket.slices:
-                        if target.direct[s.param]:
-                            segments.append(target.landing_view(s.param)[s.start : s.end])
-                        else:
-                            assert staging is not None
-                            segments.append(staging[s.offset : s.offset + s.nbytes])
                     recv_segments(link.sock, segments)
                 except BaseException:
                     release()

@@ -86,6 +86,11 @@ class ReceivedBucket:
 class ReceiverTransport(ABC):
     """Worker side of a data plane (synchronous: vLLM calls from a worker thread)."""
 
+    lands_in_place: bool = True
+    """Whether it may write a parameter's bytes straight into the model (where the
+    model takes them as they are); else every bucket arrives in a buffer it owns
+    and the applier copies out of it. Known once the receiver is made."""
+
     @abstractmethod
     def connect(self) -> None:
         """Join the trainer (during `init_transfer_engine`)."""

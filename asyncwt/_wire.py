@@ -53,7 +53,12 @@ class FrameKind(enum.IntEnum):
     ABORT = 4
     """Trainer → worker: round abandoned; `nbytes` of UTF-8 reason follow."""
     RELEASE = 5
-    """Worker → trainer: the worker is done with shared buffer `slot`."""
+    """Worker → trainer: the worker is done with shared buffer `slot` (or, after a
+    BUCKET_AT, with bucket `index`'s memory)."""
+    BUCKET_AT = 6
+    """Trainer → worker: bucket `index` (`nbytes` long) lies in the trainer's memory;
+    one little-endian u64 address per slice of the bucket follows, for the worker
+    to read from (same host, see `asyncwt._cma`)."""
 
 
 @dataclass(frozen=True, slots=True)

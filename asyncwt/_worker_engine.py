@@ -11,11 +11,13 @@ import logging
 import queue
 import threading
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from ._applier import DeferredApplier, ModelTarget, weights_loader
+from ._bytes import byte_view
 from ._exceptions import (
     ApplyError,
     StaleRoundError,
@@ -24,7 +26,7 @@ from ._exceptions import (
     TransferTimeoutError,
 )
 from ._lanes import staging_buffer
-from ._plan import TransferPlan
+from ._plan import Bucket, TransferPlan
 from ._settings import RoundUpdateInfo, WorkerPlanInfo
 from ._transport import ReceiverTransport
 from ._worker import WeightTransferConfig, WeightTransferEngine
@@ -66,6 +68,29 @@ class ReceivePool:
             self._buffers.append(buffer)
         return self._buffers[slot], lambda: self._free.put(slot)
 
+    def landing(
+        self, bucket: Bucket, target: ModelTarget
+    ) -> tuple[torch.Tensor | None, Callable[[], None], list[memoryview]]:
+        """Where each slice of `bucket` should be received: straight into the model
+        where `target` takes the bytes as they are, else into a buffer of this pool at
+        the slice's plan offset. Returns the buffer (None if every slice lands in
+        place), its release, and one writable view per slice.
+        """
+        in_place = all(target.direct[s.param] for s in bucket.slices)
+        buffer, release = (None, _nothing) if in_place else self.take()
+        staging = byte_view(buffer) if buffer is not None else memoryview(b"")
+        views = [
+            target.landing_view(s.param)[s.start : s.end]
+            if target.direct[s.param]
+            else staging[s.offset : s.offset + s.nbytes]
+            for s in bucket.slices
+        ]
+        return buffer, release, views
+
+
+def _nothing() -> None:
+    return None
+
 
 class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     """Worker engine with deferred (background) apply, over any `ReceiverTransport`.
@@ -91,8 +116,6 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     init_info_cls: ClassVar[type[WorkerPlanInfo]]
     update_info_cls = RoundUpdateInfo
     defers_processing = True
-    receives_in_place: ClassVar[bool] = True
-    """Whether the transport can write a parameter's bytes straight into the model."""
 
     def __init__(
         self,
@@ -123,13 +146,15 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         """The backend's receiving side for this worker."""
 
-    def _resolve(self, model: torch.nn.Module, plan: TransferPlan) -> ModelTarget:
+    def _resolve(
+        self, model: torch.nn.Module, plan: TransferPlan, receiver: ReceiverTransport
+    ) -> ModelTarget:
         return ModelTarget.resolve(
             model,
             plan,
             self.config.transform,
             elementwise=self.config.transform_elementwise,
-            in_place=self.receives_in_place,
+            in_place=receiver.lands_in_place,
             staged=self.config.staged,
         )
 
@@ -163,8 +188,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         `drain_timeout`.
         """
         plan = init_info.transfer_plan
-        target = self._resolve(self.model, plan)
         receiver = self.make_receiver(init_info, plan)
+        target = self._resolve(self.model, plan, receiver)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
         self._plan, self._target = plan, target
@@ -315,13 +340,13 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
-        if self._plan is not None:
-            self._target = self._resolve(model, self._plan)
+        if self._plan is not None and self.receiver is not None:
+            self._target = self._resolve(model, self._plan, self.receiver)
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
-        if self._plan is not None:
-            self._target = self._resolve(self.model, self._plan)
+        if self._plan is not None and self.receiver is not None:
+            self._target = self._resolve(self.model, self._plan, self.receiver)
 
     def shutdown(self) -> None:
         """Disconnect and stop the apply threads (after queued work, up to `drain_timeout`)."""

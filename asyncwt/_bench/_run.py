@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 
 from .._checksum import model_checksum
+from .._cma import ReadProbe
 from .._plan import TransferPlan
-from .._registry import worker_engine_class
 from .._source import ModuleSource
 from .._worker import WeightTransferConfig
 from ._engines import BackendEntry, EngineConfig, TrainerJob, available_backends, run_trainer
@@ -499,6 +500,28 @@ def _gather_alone(
     return rounds.measure(gather_once, nbytes)
 
 
+_PROBE_CHILD = (
+    "import sys; from asyncwt._cma import ReadProbe, probe_reads; "
+    "sys.exit(probe_reads(ReadProbe(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])) is not None)"
+)
+
+
+def workers_land_in_place(backend: str) -> bool:
+    """Whether `backend`'s workers receive bytes straight into the model, so that
+    their apply stage alone copies nothing: not from a ring (`cuda_ipc`); `shm`'s
+    do where they may read the trainer's memory, which a child of this process
+    tries here, as the benchmark's worker processes would."""
+    if backend == "cuda_ipc":
+        return False
+    if backend != "shm":
+        return True
+    probe, buffer = ReadProbe.create()
+    args = [sys.executable, "-c", _PROBE_CHILD, str(probe.pid), str(probe.address), probe.nonce]
+    done = subprocess.run(args, timeout=120, check=False)
+    del buffer  # held until the child has read it
+    return done.returncode == 0
+
+
 @dataclass(frozen=True)
 class _ApplyBench:
     """The backend's apply stage alone, and its cost with an instant transform
@@ -517,7 +540,7 @@ class _ApplyBench:
         stage = ApplyStage(
             worker, plan, settings.apply_threads,
             elementwise=settings.transform_elementwise,
-            in_place=worker_engine_class(backend.name).receives_in_place,  # type: ignore[attr-defined]
+            in_place=workers_land_in_place(backend.name),
         )  # fmt: skip
         instant = TransformConfig(s_per_bucket=0.0, bucket_bytes=settings.bucket_bytes)
         copies = settings.rounds.measure(lambda: stage.once_s(instant), plan.total_bytes)

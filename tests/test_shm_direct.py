@@ -1,0 +1,244 @@
+"""Direct reads on the `"shm"` backend: workers copy buckets out of the trainer's memory.
+
+The shared backend suite (`test_backends.py`, `test_faults.py`) runs `"shm"` with
+its defaults, which on this Linux machine are direct reads. Here: the cross-memory
+primitives, the ring kept for workers that cannot read directly (or for a trainer
+that does not offer it), a round mixing both, and the protocol's checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import _models
+import pytest
+import torch
+from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
+
+from asyncwt import HttpClient, ModuleSource, ProtocolError, trainer_init
+from asyncwt._cma import (
+    PROBE_BYTES,
+    ReadProbe,
+    buffer_address,
+    holds_peer_of,
+    probe_reads,
+    read_from,
+)
+from asyncwt._launch import worker_process
+from asyncwt._link import WorkerLink
+from asyncwt._plan import TransferPlan
+from asyncwt._shm import ShmSender, ShmTrainerInitInfo, ShmWorkerInitInfo
+from asyncwt._wire import Frame, FrameKind, digest_prefix
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def _probe_from_child(probe: ReadProbe) -> str:
+    code = (
+        "import sys; from asyncwt._cma import ReadProbe, probe_reads; "
+        "print(probe_reads(ReadProbe(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))"
+    )
+    args = [sys.executable, "-c", code, str(probe.pid), str(probe.address), probe.nonce]
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip()
+
+
+# -- the primitives ----------------------------------------------------------------
+
+
+def test_read_from_copies_many_slices_of_varied_length() -> None:
+    """More slices than one call takes (1024), empty ones among them."""
+    source = torch.randint(0, 256, (3000 * 97,), dtype=torch.uint8)
+    lengths = [(i * 7) % 97 for i in range(3000)]  # every 97th is empty
+    dest = torch.zeros(sum(lengths), dtype=torch.uint8)
+    dest_view = memoryview(dest.numpy()).cast("B")
+    local, remote, expected, offset = [], [], [], 0
+    for i, n in enumerate(lengths):
+        local.append(dest_view[offset : offset + n])
+        remote.append(source.data_ptr() + i * 97)
+        expected.append(source[i * 97 : i * 97 + n])
+        offset += n
+    read_from(os.getpid(), local, remote)
+    assert torch.equal(dest, torch.cat(expected))
+
+
+def test_read_from_an_unmapped_address_is_an_os_error() -> None:
+    with pytest.raises(OSError) as caught:
+        read_from(os.getpid(), [memoryview(bytearray(16))], [8])
+    assert caught.value.errno == errno.EFAULT
+
+
+def test_read_from_needs_one_address_per_buffer() -> None:
+    with pytest.raises(ValueError, match=r"one address per local buffer \(2\), got 1"):
+        read_from(os.getpid(), [memoryview(bytearray(1)), memoryview(bytearray(1))], [1])
+
+
+def test_a_child_process_reads_the_probe_back() -> None:
+    probe, buffer = ReadProbe.create()
+    assert buffer.raw.hex() == probe.nonce and len(buffer.raw) == PROBE_BYTES
+    assert _probe_from_child(probe) == "None"
+
+
+def test_a_probe_that_does_not_match_says_why() -> None:
+    probe, _buffer = ReadProbe.create()
+    wrong = ReadProbe(probe.pid, probe.address, "00" * PROBE_BYTES)
+    assert "does not hold the trainer's probe" in str(probe_reads(wrong))
+    with subprocess.Popen([sys.executable, "-c", "pass"]) as gone:
+        gone.wait()
+    reason = probe_reads(ReadProbe(gone.pid, probe.address, probe.nonce))
+    assert reason is not None and f"pid {gone.pid}" in reason
+
+
+@pytest.mark.parametrize("family", ["ipv4", "dual-stack"])
+def test_the_peer_check_finds_which_process_holds_the_other_end(family: str) -> None:
+    """A child accepts the connection: it holds the other end, this process does not."""
+    code = (
+        "import socket, sys; "
+        "srv = socket.create_server(('::', 0), family=socket.AF_INET6, dualstack_ipv6=True) "
+        "if sys.argv[1] == 'dual-stack' else socket.create_server(('127.0.0.1', 0)); "
+        "print(srv.getsockname()[1], flush=True); conn, _ = srv.accept(); "
+        "conn.sendall(b'a'); conn.recv(1)"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code, family], stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            assert sock.recv(1) == b"a"  # accepted: the child holds a descriptor
+            assert holds_peer_of(child.pid, sock)
+            assert not holds_peer_of(os.getpid(), sock)
+            sock.sendall(b"x")
+        child.wait(timeout=30)
+
+
+def test_buffer_address_of_a_view_and_of_an_empty_one() -> None:
+    data = bytearray(b"abcdef")
+    view = memoryview(data)[2:]
+    assert ctypes.string_at(buffer_address(view), 4) == b"cdef"
+    assert buffer_address(memoryview(bytearray())) == 0
+
+
+# -- settings ----------------------------------------------------------------------
+
+
+def test_direct_reads_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match=r"^direct_reads should be a bool, got 'yes'$"):
+        ShmTrainerInitInfo(rank=0, direct_reads="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"trainer_pid": -1}, r"^trainer_pid should be an int in \[0, 2\*\*64\), got -1$"),
+        ({"probe_address": "0x10"}, r"^probe_address should be an int in \[0, 2\*\*64\), got '0x10'$"),
+        ({"trainer_pid": 12, "probe_nonce": "zz"}, r"^probe_nonce should be 64 lowercase hex digits, got 'zz'$"),
+    ],
+)  # fmt: skip
+def test_worker_init_info_checks_the_probe_fields(fields: dict[str, object], message: str) -> None:
+    plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
+    base = {
+        "host": "127.0.0.1",
+        "port": 5,
+        "token": "t" * 32,
+        "plan": plan.to_wire(),
+        "num_buffers": 1,
+        "segments": ["asyncwt_0123456789abcdef_0"],
+    }
+    with pytest.raises(ValueError, match=message):
+        ShmWorkerInitInfo(**{**base, **fields})  # type: ignore[arg-type]
+
+
+# -- rounds ------------------------------------------------------------------------
+
+
+async def _push(
+    urls: list[str], model: torch.nn.Module, rounds: int, **info: Any
+) -> tuple[ShmSender, int]:
+    """Push `rounds` bit-exact rounds of `model` over shm; return the trainer's sender
+    and the bytes its pipeline allocated for packing."""
+    async with HttpClient(urls) as client:
+        trainer_info = info_for("shm", workers=len(urls), **info)
+        engine = await trainer_init(trainer_info, client=client, source=ModuleSource(model))
+        async with engine:
+            for r in range(1, rounds + 1):
+                _models.randomize(model, seed=r)
+                await engine.send_weights(weight_version=f"v{r}")
+                await assert_worker_has(client, model, f"v{r}")
+            sender = engine.transport
+            assert isinstance(sender, ShmSender)
+            return sender, engine._pool.allocated_bytes  # type: ignore[attr-defined]
+
+
+@pytest.mark.asyncio
+async def test_a_direct_round_packs_nothing_on_the_trainer() -> None:
+    model = _models.large_slices()
+    assert all(p.is_contiguous() for p in model.parameters())
+    with worker_process("_models:large_slices", "--backend", "shm", env=worker_env()) as url:
+        sender, packed = await _push([url], model, 2, bucket_bytes=_models.LARGE_BUCKET_BYTES)
+    assert sender.direct and [p.reads_directly for p in sender.links.peers] == [True]
+    assert packed == 0
+    assert not shm_leftovers()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "packed"])
+async def test_a_trainer_that_offers_no_direct_reads_uses_the_ring(zero_copy: bool) -> None:
+    with worker_process("_models:mixed", "--backend", "shm", env=worker_env()) as url:
+        sender, _ = await _push([url], _models.mixed(), 2, direct_reads=False, zero_copy=zero_copy)
+    assert not sender.direct and not sender.links.peers[0].reads_directly
+    assert not shm_leftovers()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "transform", [(), ("--transform", "_models:identity_transform", "--transform-elementwise")],
+    ids=["in-place", "elementwise"],
+)  # fmt: skip
+async def test_a_round_with_a_direct_reader_and_a_ring_reader(transform: tuple[str, ...]) -> None:
+    """One worker cannot read the trainer's memory: every bucket goes into the ring,
+    and the other worker reads the ring slot out of the trainer's memory (before the
+    ring worker may release it for the next bucket)."""
+    args = ("--backend", "shm", *transform)
+    with (
+        worker_process("_models:mixed", *args, env=worker_env()) as direct_url,
+        worker_process("_models:mixed_reading_the_ring", *args, env=worker_env()) as ring_url,
+    ):
+        sender, _ = await _push([direct_url, ring_url], _models.mixed(), 4)
+    assert not sender.direct
+    assert sorted(p.reads_directly for p in sender.links.peers) == [False, True]
+    assert not shm_leftovers()
+
+
+# -- protocol ----------------------------------------------------------------------
+
+
+def _link_pair(reads_directly: bool) -> tuple[WorkerLink, socket.socket, TransferPlan]:
+    plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
+    worker_end, trainer_end = socket.socketpair()
+    return WorkerLink(worker_end, plan, 5.0, reads_directly=reads_directly), trainer_end, plan
+
+
+@pytest.mark.parametrize(
+    ("reads_directly", "sent", "expected"),
+    [(False, FrameKind.BUCKET_AT, "BUCKET"), (True, FrameKind.BUCKET, "BUCKET_AT")],
+)
+def test_a_worker_takes_only_its_own_kind_of_bucket_frame(
+    reads_directly: bool, sent: FrameKind, expected: str
+) -> None:
+    link, trainer_end, plan = _link_pair(reads_directly)
+    with trainer_end, link.sock:
+        digest = digest_prefix(plan.digest)
+        trainer_end.sendall(Frame(sent, 1, 0, digest, plan.buckets[0].payload_bytes).pack())
+        frames = link.frames(1)
+        with pytest.raises(
+            ProtocolError, match=rf"unexpected {sent.name} frame \(this worker takes {expected}\)"
+        ):
+            next(frames)
+        ready = Frame.unpack(trainer_end.recv(64))
+        assert (ready.kind, ready.slot) == (FrameKind.READY, int(reads_directly))
