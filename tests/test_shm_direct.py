@@ -20,6 +20,7 @@ import _models
 import pytest
 import torch
 from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
+from _fuzzkit import trainer_links
 
 from asyncwt import HttpClient, ModuleSource, ProtocolError, trainer_init
 from asyncwt._cma import (
@@ -31,7 +32,7 @@ from asyncwt._cma import (
     read_from,
 )
 from asyncwt._launch import worker_process
-from asyncwt._link import WorkerLink
+from asyncwt._link import Peer, WorkerLink
 from asyncwt._plan import TransferPlan
 from asyncwt._shm import ShmSender, ShmTrainerInitInfo, ShmWorkerInitInfo
 from asyncwt._wire import Frame, FrameKind, digest_prefix
@@ -242,3 +243,24 @@ def test_a_worker_takes_only_its_own_kind_of_bucket_frame(
             next(frames)
         ready = Frame.unpack(trainer_end.recv(64))
         assert (ready.kind, ready.slot) == (FrameKind.READY, int(reads_directly))
+
+
+@pytest.mark.parametrize("offered", [False, True], ids=["not-offered", "offered"])
+def test_a_ready_that_claims_direct_reads_needs_the_offer(offered: bool) -> None:
+    """READY's slot 1 (the worker reads directly) is a protocol error unless the
+    trainer offered direct reads; any other slot always is."""
+    links = trainer_links()
+    links.direct_reads = offered
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        peer = Peer(ours, "worker-a")
+        ready = Frame(FrameKind.READY, 0, 0, links.digest, 0, 1)
+        if offered:
+            assert links.check_from_worker(peer, ready) is ready
+        else:
+            with pytest.raises(
+                ProtocolError, match=r"slot 1; bucket should be 0 and slot at most 0"
+            ):
+                links.check_from_worker(peer, ready)
+        with pytest.raises(ProtocolError, match=rf"slot 2; .* at most {int(offered)}$"):
+            links.check_from_worker(peer, Frame(FrameKind.READY, 0, 0, links.digest, 0, 2))
