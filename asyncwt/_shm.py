@@ -148,6 +148,8 @@ class ShmSender(RingSender):
         self.direct = False
         """Whether every worker of this round reads from this process's memory: then
         nothing is packed (`min_view_bytes` 0) and the ring is unused."""
+        self._readers: int | None = None
+        """How many workers read directly, as last logged."""
         prefix = f"asyncwt_{secrets.token_hex(8)}"
         self.segments: list[shared_memory.SharedMemory] = []
         buffers = []
@@ -178,12 +180,19 @@ class ShmSender(RingSender):
         for segment in self.segments:  # every worker has mapped them: drop the names
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
-        readers = sum(peer.reads_directly for peer in self.links.peers)
-        logger.info("asyncwt: shm: %d of %d worker(s) read directly", readers, self.num_workers)
 
     async def begin_round(self, round_id: int) -> None:
         await super().begin_round(round_id)  # every READY says whether its worker reads directly
-        self.direct = all(peer.reads_directly for peer in self.links.peers)
+        readers = sum(peer.reads_directly for peer in self.links.peers)
+        if readers != self._readers:
+            logger.info(
+                "asyncwt: shm: round %d: %d of %d worker(s) read this process's memory directly",
+                round_id,
+                readers,
+                self.num_workers,
+            )
+            self._readers = readers
+        self.direct = readers == self.num_workers
         self.min_view_bytes = 0 if self.direct else None
 
     def staging(self, slot: int) -> torch.Tensor | None:

@@ -14,15 +14,18 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import _models
+import anyio
 import pytest
 import torch
 from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
 from _fuzzkit import trainer_links
 
-from asyncwt import HttpClient, ModuleSource, ProtocolError, trainer_init
+from asyncwt import HttpClient, ModuleSource, ProtocolError, TransferError, trainer_init
+from asyncwt._bytes import byte_view
 from asyncwt._cma import (
     PROBE_BYTES,
     ReadProbe,
@@ -34,8 +37,9 @@ from asyncwt._cma import (
 from asyncwt._launch import worker_process
 from asyncwt._link import Peer, WorkerLink
 from asyncwt._plan import TransferPlan
-from asyncwt._shm import ShmSender, ShmTrainerInitInfo, ShmWorkerInitInfo
+from asyncwt._shm import ShmReceiver, ShmSender, ShmTrainerInitInfo, ShmWorkerInitInfo
 from asyncwt._wire import Frame, FrameKind, digest_prefix
+from asyncwt._worker_engine import ReceivePool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -57,7 +61,7 @@ def test_read_from_copies_many_slices_of_varied_length() -> None:
     source = torch.randint(0, 256, (3000 * 97,), dtype=torch.uint8)
     lengths = [(i * 7) % 97 for i in range(3000)]  # every 97th is empty
     dest = torch.zeros(sum(lengths), dtype=torch.uint8)
-    dest_view = memoryview(dest.numpy()).cast("B")
+    dest_view = byte_view(dest)
     local, remote, expected, offset = [], [], [], 0
     for i, n in enumerate(lengths):
         local.append(dest_view[offset : offset + n])
@@ -264,3 +268,55 @@ def test_a_ready_that_claims_direct_reads_needs_the_offer(offered: bool) -> None
                 links.check_from_worker(peer, ready)
         with pytest.raises(ProtocolError, match=rf"slot 2; .* at most {int(offered)}$"):
             links.check_from_worker(peer, Frame(FrameKind.READY, 0, 0, links.digest, 0, 2))
+
+
+@pytest.fixture
+def probe_elsewhere() -> Iterator[ReadProbe]:
+    """A read probe held by another process (a child that waits on its stdin)."""
+    code = (
+        "import sys; from asyncwt._cma import ReadProbe; probe, buffer = ReadProbe.create(); "
+        "print(probe.pid, probe.address, probe.nonce, flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as other:
+        assert other.stdout is not None and other.stdin is not None
+        pid, address, nonce = other.stdout.readline().split()
+        yield ReadProbe(int(pid), int(address), nonce)
+        other.stdin.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pid_that_does_not_hold_the_link_is_refused(probe_elsewhere: ReadProbe) -> None:
+    """The init info names another process that holds a valid probe (a wrong or
+    hostile control plane): the worker refuses to read it, naming the pid."""
+    plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
+    sender = ShmSender(ShmTrainerInitInfo(rank=0, bucket_bytes=1 << 16, num_buffers=1), plan)
+    probe = probe_elsewhere
+    refusals: list[str] = []
+
+    async def init_worker(fields: dict[str, Any]) -> None:
+        named = {
+            "trainer_pid": probe.pid,
+            "probe_address": probe.address,
+            "probe_nonce": probe.nonce,
+        }
+        info = ShmWorkerInitInfo(**{**fields, **named})
+        pool = ReceivePool(1, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
+        receiver = ShmReceiver(info, plan, pool)
+        assert receiver.reads_directly  # the probe itself passes
+        with pytest.raises(TransferError) as refused:
+            await anyio.to_thread.run_sync(receiver.connect)
+        refusals.append(str(refused.value))
+
+    exported = {"plan": plan.to_wire(), "num_buffers": 1}
+    try:
+        await sender.rendezvous(exported, init_worker)
+    finally:
+        sender.close()
+    assert len(refusals) == 1
+    assert (
+        f"trainer_pid {probe.pid} from the init info does not hold this worker's link"
+        in refusals[0]
+    )
+    assert "direct_reads=False" in refusals[0]
