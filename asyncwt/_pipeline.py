@@ -8,7 +8,9 @@
   (a byte view, no copy); anything else is copied into the slot's staging buffer
   on the pack lane, whose event the next stage waits for;
 - *send* waits for that event without blocking the loop, hands the segments to the
-  sink (the transport), then returns the slot.
+  sink (the transport), then returns the slot. A sink may leave a bucket in flight
+  (`send_bucket` returns a `Settle`): its slot and its tensors are then held until
+  it settles, and the next bucket goes out meanwhile (`in_flight_buckets`).
 
 One task group owns the three stages: the first failure or a cancellation cancels
 the others and re-raises. Slots are per round, so nothing stays held afterwards.
@@ -17,9 +19,11 @@ the others and re-raises. Slots are per round, so nothing stays held afterwards.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
 import threading
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +41,18 @@ from ._sched import bulk_work, prompt_wakeups
 from ._source import WeightSource
 from ._stats import StageClock
 
-__all__ = ["BucketSink", "PipelineConfig", "StagingPool", "iterate_and_check", "run_pipeline"]
+__all__ = [
+    "BucketSink",
+    "PipelineConfig",
+    "Settle",
+    "StagingPool",
+    "iterate_and_check",
+    "run_pipeline",
+]
+
+Settle = Callable[[], Awaitable[None]]
+"""What `send_bucket` returns for a bucket it left in flight: awaiting it returns
+once nothing reads the bucket's segments any more, and raises if delivery failed."""
 
 
 class BucketSink(Protocol):
@@ -57,8 +72,16 @@ class BucketSink(Protocol):
         """Wait until `staging(slot)` may be overwritten (every reader released it)."""
         ...
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
-        """Deliver `bucket`'s payload; the segments stay valid until this returns."""
+    in_flight_buckets: int
+    """How many buckets may be in flight at once (see `send_bucket`); 1 for a sink
+    whose `send_bucket` always returns `None`."""
+
+    async def send_bucket(
+        self, bucket: Bucket, slot: int, segments: list[memoryview]
+    ) -> Settle | None:
+        """Deliver `bucket`'s payload. `None`: the segments may be reused now. A
+        `Settle`: they stay valid (their slot held, their tensors alive) until it
+        returns; the pipeline awaits it before more than `in_flight_buckets` are out."""
         ...
 
 
@@ -373,16 +396,49 @@ async def _send(
     release: MemoryObjectSendStream[int],
     sink: BucketSink,
     clock: StageClock,
+    window: int,
 ) -> int:
+    """Send each bucket; keep fewer than `window` in flight while the next is packed.
+
+    Every bucket left in flight is settled, once, before this returns, even on an
+    error or a cancellation: its bytes may be read until it settles, so settling is
+    shielded (the sink bounds it with its own timeouts).
+    """
     sent = 0
-    async with inbox:
-        async for packed in inbox:
-            await DeviceLane.wait(packed.ready)
+    in_flight: collections.deque[tuple[Settle, _Packed]] = collections.deque()
+
+    async def settle_oldest() -> None:
+        settle, packed = in_flight[0]
+        try:
+            with anyio.CancelScope(shield=True):  # a cancellation takes effect after it
+                await settle()
+        finally:
+            in_flight.popleft()
+        release.send_nowait(packed.slot)
+
+    try:
+        async with inbox:
+            async for packed in inbox:
+                await DeviceLane.wait(packed.ready)
+                clock.start()
+                settle = await sink.send_bucket(packed.bucket, packed.slot, packed.segments)
+                if settle is None:
+                    release.send_nowait(packed.slot)
+                else:
+                    in_flight.append((settle, packed))
+                    while len(in_flight) >= window:
+                        await settle_oldest()
+                clock.stop()
+                sent += 1
             clock.start()
-            await sink.send_bucket(packed.bucket, packed.slot, packed.segments)
+            while in_flight:
+                await settle_oldest()
             clock.stop()
-            sent += 1
-            release.send_nowait(packed.slot)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for settle, _ in in_flight:
+                with contextlib.suppress(Exception):  # the round failed already
+                    await settle()
     return sent
 
 
@@ -450,7 +506,8 @@ async def run_pipeline(
                     clocks["pack"],
                     opened,
                 )
-                tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"])
+                window = min(sink.in_flight_buckets, config.num_buffers)
+                tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"], window)
         finally:
             stop.set()
     return {name: clock.busy_s for name, clock in clocks.items()}

@@ -14,19 +14,27 @@ bytes as they are) straight into the worker's parameter; the small slices betwee
 them are packed and broadcast together. Both sides derive the same broadcasts from
 the plan (`broadcast_units`). Over NCCL every bucket is packed on the device and
 broadcast once.
+
+Two buckets are on the wire at once (`IN_FLIGHT_BUCKETS`): the trainer starts a
+bucket's broadcasts and returns a `Settle` to the pipeline instead of waiting for
+them, and the worker, while a bucket's broadcasts run, watches the link for the
+next header and starts that bucket's too. Waiting for each collective before
+starting the next one left the connection idle in between.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import functools
 import logging
 import secrets
+import select
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -37,13 +45,14 @@ from ._applier import ModelTarget
 from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
 from ._lanes import staging_buffer
 from ._link import LinkedSender, WorkerLink, connect_link
+from ._pipeline import Settle
 from ._plan import Bucket, Slice, TransferPlan
 from ._settings import check_positive
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._trainer import TrainerInitInfo
 from ._trainer_engine import PipelinedTrainerEngine, _default_device
 from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
-from ._wire import FrameKind
+from ._wire import Frame, FrameKind
 from ._worker_engine import DeferredWorkerEngine, ReceivePool
 
 __all__ = [
@@ -58,41 +67,52 @@ __all__ = [
 _PG_BACKENDS = ("gloo", "nccl")
 
 DIRECT_BROADCAST_BYTES = 1 << 20
-"""Over gloo, a slice at least this long is its own broadcast, without a packing
+"""Over gloo, a slice at least this long is broadcast on its own, without a packing
 copy on the trainer or an unpacking copy on the worker; shorter ones are packed
 (one collective per tiny tensor would cost more than the copies)."""
+
+IN_FLIGHT_BUCKETS = 2
+"""Buckets whose broadcasts may be on the wire at once (both sides): the next
+bucket's start before the last one's end, so no gap opens between buckets."""
 
 logger = logging.getLogger("asyncwt")
 
 
-def broadcast_units(bucket: Bucket, direct_bytes: int | None) -> list[tuple[Slice, ...]]:
-    """The broadcasts that carry `bucket`, in order: a slice of at least
-    `direct_bytes` alone, or a run of shorter slices (contiguous in a receive buffer,
-    padding included). `None` packs the whole bucket into one run."""
-    units: list[tuple[Slice, ...]] = []
+class BroadcastUnit(NamedTuple):
+    """One broadcast of a bucket's payload."""
+
+    slices: tuple[Slice, ...]
+    """One slice (`direct`), or a run of short slices packed together."""
+    direct: bool
+    """Whether it goes straight from the trainer's tensor (and, where the model takes
+    the bytes as they are, straight into the worker's parameter)."""
+
+    @property
+    def packed_range(self) -> slice:
+        """Where a packed run sits in a bucket-sized buffer, padding included."""
+        return slice(self.slices[0].offset, self.slices[-1].offset + self.slices[-1].nbytes)
+
+
+def broadcast_units(bucket: Bucket, direct_bytes: int | None) -> list[BroadcastUnit]:
+    """The broadcasts that carry `bucket`, in order: each slice of at least
+    `direct_bytes` on its own, each run of shorter slices between them packed.
+    `None` packs the whole bucket into one broadcast. Both sides derive the same
+    list from the plan."""
+    units: list[BroadcastUnit] = []
     run: list[Slice] = []
     for s in bucket.slices:
         if s.nbytes == 0:
             continue
         if direct_bytes is not None and s.nbytes >= direct_bytes:
             if run:
-                units.append(tuple(run))
+                units.append(BroadcastUnit(tuple(run), direct=False))
                 run = []
-            units.append((s,))
+            units.append(BroadcastUnit((s,), direct=True))
         else:
             run.append(s)
     if run:
-        units.append(tuple(run))
+        units.append(BroadcastUnit(tuple(run), direct=False))
     return units
-
-
-def _is_direct(unit: tuple[Slice, ...], direct_bytes: int | None) -> bool:
-    return direct_bytes is not None and len(unit) == 1 and unit[0].nbytes >= direct_bytes
-
-
-def _run_range(unit: tuple[Slice, ...]) -> slice:
-    """Where a run of slices sits in a bucket-sized buffer."""
-    return slice(unit[0].offset, unit[-1].offset + unit[-1].nbytes)
 
 
 def _group_backend(device: torch.device) -> str:
@@ -154,15 +174,41 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def _start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    return group.broadcast([tensor], options)
 
 
-def _broadcast_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
-    for tensor in tensors:
-        _broadcast(group, tensor)
+def _wait_all(works: list[dist.Work]) -> None:
+    """Wait for every one of `works`, even after one fails (none may still be writing
+    into a buffer once this returns), then raise the first failure.
+
+    Empties `works`: a traceback that keeps the list must not keep the group (and
+    its sockets) alive.
+    """
+    first: RuntimeError | None = None
+    try:
+        for work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:  # DistError is a RuntimeError
+                first = first or exc
+    finally:
+        works.clear()
+    if first is not None:
+        raise first
+
+
+def _start_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> list[dist.Work]:
+    """Start broadcasting `tensors`, in order, without waiting for any of them.
+
+    Waiting for each collective before starting the next leaves the connection
+    idle between them: over gloo on loopback, 16-64 MiB broadcasts ran at 1.4-1.7
+    GB/s one at a time and 1.9-2.9 GB/s with two or more in flight. Every rank
+    starts the same broadcasts in the same order, so they pair up.
+    """
+    return [_start_broadcast(group, tensor) for tensor in tensors]
 
 
 @dataclass
@@ -228,6 +274,7 @@ class TorchDistSender(LinkedSender):
         self.device = _default_device(info.device)
         self.group_backend = info.group_backend or _group_backend(self.device)
         self.min_view_bytes = DIRECT_BROADCAST_BYTES if self.group_backend == "gloo" else None
+        self.in_flight_buckets = IN_FLIGHT_BUCKETS
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
         self.group_key = ""
@@ -319,37 +366,53 @@ class TorchDistSender(LinkedSender):
                 logger.warning("the torch_dist group did not form after the abort: %r", exc)
                 self.store = None
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> Settle:
+        """Send the header, start the bucket's broadcasts, and return without waiting
+        for them: the next bucket's broadcasts start while these are on the wire."""
         header = self.links.frame(
             FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=slot
         )
         staging = self.staging(slot)
         segment_of = dict(zip(bucket.slices, segments))
         payloads = [
-            torch.frombuffer(segment_of[unit[0]], dtype=torch.uint8)
-            if _is_direct(unit, self.min_view_bytes)
-            else staging[_run_range(unit)]
+            torch.frombuffer(segment_of[unit.slices[0]], dtype=torch.uint8)
+            if unit.direct
+            else staging[unit.packed_range]
             for unit in broadcast_units(bucket, self.min_view_bytes)
         ]
         assert self.group is not None
-        # A header and its broadcast are one unit: once the header is out, every
-        # worker waits in the collective, so a cancellation in between would strand
-        # them there until their timeout. Header and collective are each bounded by
-        # send_timeout; the abort that follows a cancellation finds both sides in step.
+        # A header and its broadcasts are one unit: once the header is out, every
+        # worker waits in the collectives, so a cancellation in between would strand
+        # them there until their timeout. The header is bounded by send_timeout, the
+        # collectives by the group's; the abort after a cancellation finds both sides
+        # in step once the pipeline settled every bucket in flight.
         with anyio.CancelScope(shield=True):
             await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
             try:
-                await anyio.to_thread.run_sync(_broadcast_all, self.group, payloads)
+                works = await anyio.to_thread.run_sync(_start_all, self.group, payloads)
             except RuntimeError as exc:
-                self.store = None  # the group is unusable: a new trainer_init is needed
-                self._leave_group()  # its sockets close now, not when the engine does
-                error = TransferTimeoutError if _timed_out(exc) else TransferError
-                raise error(
-                    f"round {self.links.round_id}: broadcasting bucket {bucket.index} failed "
-                    f"(a worker left the group, or stalled past the group timeout of "
-                    f"send_timeout={self.info.send_timeout}s): {exc}; call trainer_init "
-                    f"again to reconnect"
-                ) from exc.with_traceback(None)  # its frames would keep the group alive
+                raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
+
+        async def settle() -> None:
+            try:
+                await anyio.to_thread.run_sync(_wait_all, works)
+            except RuntimeError as exc:
+                raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
+
+        return settle
+
+    def _broadcast_failed(self, bucket: Bucket, exc: RuntimeError) -> TransferError:
+        """Mark the group unusable (a new trainer_init is needed), close its sockets
+        now rather than when the engine does, and describe the failure."""
+        self.store = None
+        self._leave_group()
+        error = TransferTimeoutError if _timed_out(exc) else TransferError
+        return error(
+            f"round {self.links.round_id}: broadcasting bucket {bucket.index} failed "
+            f"(a worker left the group, or stalled past the group timeout of "
+            f"send_timeout={self.info.send_timeout}s): {exc}; call trainer_init again to "
+            f"reconnect"
+        )
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None
@@ -360,6 +423,49 @@ class TorchDistSender(LinkedSender):
         self._leave_group()
         self.store = None
         self._staging = [None] * len(self._staging)
+
+
+_POLL_S = 0.001
+"""How long the worker waits for the next header at a time while a bucket's
+broadcasts are on the wire, before checking whether they completed."""
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether `sock` has bytes to read within `timeout` (poll: `select` cannot take
+    descriptors past 1023, which a serving process may well hold)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """A bucket whose broadcasts a worker started."""
+
+    bucket: Bucket
+    buffer: torch.Tensor
+    release: Callable[[], None]
+    works: list[dist.Work]
+    copied_out: list[Slice]
+    """Short slices received into `buffer` that belong in the model as they are."""
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def finish(self, target: ModelTarget) -> None:
+        """Wait for the broadcasts, then copy the short direct slices into place."""
+        _wait_all(self.works)
+        for s in self.copied_out:
+            landing = target.landing_view(s.param)[s.start : s.end]
+            torch.frombuffer(landing, dtype=torch.uint8).copy_(
+                self.buffer[s.offset : s.offset + s.nbytes]
+            )
+
+    def abandon(self) -> None:
+        """After a failure: wait until nothing writes into the buffer, then release it."""
+        with contextlib.suppress(RuntimeError):
+            _wait_all(self.works)
+        self.release()
 
 
 class TorchDistReceiver(ReceiverTransport):
@@ -438,49 +544,99 @@ class TorchDistReceiver(ReceiverTransport):
     def _receive(
         self, link: WorkerLink, round_id: int, target: ModelTarget
     ) -> Iterator[ReceivedBucket]:
-        for frame in link.frames(round_id, after_ready=self._form_group):
-            # No local reference to the group: a traceback through this frame must
-            # not keep it (and its sockets) alive after it is released.
-            assert self.group is not None
-            bucket = self.plan.buckets[frame.index]
-            buffer, release = self.pool.take()
-            try:
-                self._receive_bucket(bucket, buffer, target)
-            except RuntimeError as exc:
-                release()
-                error = TransferTimeoutError if _timed_out(exc) else TransferError
-                raise error(
-                    f"round {round_id}: receiving bucket {frame.index} by broadcast failed "
-                    f"(the trainer left the group, or stalled past recv_timeout="
-                    f"{self.info.recv_timeout}s): {exc}"
-                ) from exc.with_traceback(None)  # its frames would keep the group alive
-            except BaseException:
-                release()
-                raise
-            yield ReceivedBucket(bucket, buffer, release)
+        """Start each bucket's broadcasts as its header arrives, up to
+        `IN_FLIGHT_BUCKETS` at once (as the trainer sends them), and yield each
+        bucket in order once its broadcasts completed.
 
-    def _receive_bucket(self, bucket: Bucket, buffer: torch.Tensor, target: ModelTarget) -> None:
-        """Receive `bucket`'s broadcasts: a parameter the model takes as it is gets its
-        bytes in place (a long slice directly, a short one copied out of `buffer`),
-        everything else lands in `buffer` at its plan offset for the applier."""
+        While the oldest is on the wire, the link is polled for the next header, so
+        the next bucket's broadcasts start before this one's end. Every broadcast
+        started has completed (or failed) before an error leaves this generator.
+        """
+        frames = link.frames(round_id, after_ready=self._form_group)
+        in_flight: collections.deque[_Incoming] = collections.deque()
+        ended = False
+
+        def start(frame: Frame, taken: tuple[torch.Tensor, Callable[[], None]]) -> None:
+            bucket = self.plan.buckets[frame.index]
+            try:
+                in_flight.append(self._start_bucket(bucket, *taken, target))
+            except BaseException:
+                taken[1]()
+                raise
+
+        try:
+            while True:
+                if not in_flight:
+                    frame = next(frames, None)
+                    if frame is None:
+                        return
+                    start(frame, self.pool.take())
+                oldest = in_flight[0]
+                while not ended and len(in_flight) < IN_FLIGHT_BUCKETS and not oldest.done():
+                    if not _readable(link.sock, _POLL_S):
+                        continue
+                    taken = self.pool.try_take()
+                    if taken is None:
+                        break  # every buffer is in use: the next bucket waits for one
+                    frame = next(frames, None)
+                    if frame is None:
+                        taken[1]()
+                        ended = True
+                    else:
+                        start(frame, taken)
+                try:
+                    oldest.finish(target)
+                except RuntimeError as exc:
+                    error = TransferTimeoutError if _timed_out(exc) else TransferError
+                    raise error(
+                        f"round {round_id}: receiving bucket {oldest.bucket.index} by broadcast "
+                        f"failed (the trainer left the group, or stalled past recv_timeout="
+                        f"{self.info.recv_timeout}s): {exc}"
+                    ) from exc.with_traceback(None)  # its frames would keep the group alive
+                in_flight.popleft()
+                yield ReceivedBucket(oldest.bucket, oldest.buffer, oldest.release)
+                if ended and not in_flight:
+                    return
+        except BaseException as exc:
+            if not isinstance(exc, TransferAbortedError):
+                # Leave the group first: the broadcasts still in flight then fail at
+                # once instead of at the group timeout.
+                self.store = None
+                self._leave_group()
+            for incoming in in_flight:
+                incoming.abandon()
+            raise
+        finally:
+            frames.close()
+
+    def _start_bucket(
+        self,
+        bucket: Bucket,
+        buffer: torch.Tensor,
+        release: Callable[[], None],
+        target: ModelTarget,
+    ) -> _Incoming:
+        """Start receiving `bucket`'s broadcasts: a parameter the model takes as it is
+        gets its bytes in place (a long slice directly, a short one copied out of
+        `buffer` once received), everything else lands in `buffer` at its plan offset
+        for the applier."""
         assert self.group is not None
         direct_bytes = self.info.direct_bytes
+        destinations: list[torch.Tensor] = []
+        copied_out: list[Slice] = []  # short slices the model takes as they are
         for unit in broadcast_units(bucket, direct_bytes):
-            if _is_direct(unit, direct_bytes):
-                s = unit[0]
+            if unit.direct:
+                s = unit.slices[0]
                 if target.direct[s.param]:
                     view = target.landing_view(s.param)[s.start : s.end]
-                    _broadcast(self.group, torch.frombuffer(view, dtype=torch.uint8))
+                    destinations.append(torch.frombuffer(view, dtype=torch.uint8))
                 else:
-                    _broadcast(self.group, buffer[s.offset : s.offset + s.nbytes])
+                    destinations.append(buffer[s.offset : s.offset + s.nbytes])
                 continue
-            _broadcast(self.group, buffer[_run_range(unit)])
-            for s in unit:
-                if target.direct[s.param]:
-                    landing = target.landing_view(s.param)[s.start : s.end]
-                    torch.frombuffer(landing, dtype=torch.uint8).copy_(
-                        buffer[s.offset : s.offset + s.nbytes]
-                    )
+            destinations.append(buffer[unit.packed_range])
+            copied_out.extend(s for s in unit.slices if target.direct[s.param])
+        works = _start_all(self.group, destinations)
+        return _Incoming(bucket, buffer, release, works, copied_out)
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None

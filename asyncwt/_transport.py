@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._applier import ModelTarget
+from ._pipeline import Settle
 from ._plan import Bucket
 
 __all__ = ["ReceivedBucket", "ReceiverTransport", "SenderTransport"]
@@ -30,6 +31,10 @@ class SenderTransport(ABC):
     min_view_bytes: int | None = None
     """Slices at least this long may reach `send_bucket` as segments that point into
     the source's own (CPU) tensors; shorter ones, and all with `None`, are packed."""
+
+    in_flight_buckets: int = 1
+    """Buckets that may be in flight at once: above 1, `send_bucket` may return a
+    `Settle` instead of waiting until the bucket's segments are no longer read."""
 
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for pipeline slot `slot`, or `None` for the pool's."""
@@ -56,8 +61,14 @@ class SenderTransport(ABC):
         """Return once every worker is receiving round `round_id`."""
 
     @abstractmethod
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
-        """Deliver `bucket` (its payload is `segments`, packed in `slot` if staged)."""
+    async def send_bucket(
+        self, bucket: Bucket, slot: int, segments: list[memoryview]
+    ) -> Settle | None:
+        """Deliver `bucket` (its payload is `segments`, packed in `slot` if staged).
+
+        Returns `None` once the segments may be reused, or (with `in_flight_buckets`
+        above 1) a `Settle` the pipeline awaits before it reuses them.
+        """
 
     @abstractmethod
     async def end_round(self) -> None:

@@ -60,6 +60,17 @@ class ReceivePool:
                 f"no receive buffer came free within {self.timeout}s: background apply is "
                 f"stuck (a transform or load_weights that never returns?)"
             ) from None
+        return self._lend(slot)
+
+    def try_take(self) -> tuple[torch.Tensor, Any] | None:
+        """A free buffer and its release, or `None` when none is free right now."""
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            return None
+        return self._lend(slot)
+
+    def _lend(self, slot: int) -> tuple[torch.Tensor, Any]:
         while len(self._buffers) <= slot:
             if self.on_device:
                 buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)

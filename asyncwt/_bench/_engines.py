@@ -155,10 +155,18 @@ def _hook_send_timeline(engine: Any, timeline: list[tuple[int, float, float]]) -
     if sink is None or send is None:
         return False
 
-    async def timed(bucket: Any, *args: Any) -> None:
+    async def timed(bucket: Any, *args: Any) -> Any:
         start = time.monotonic()
-        await send(bucket, *args)
-        timeline.append((bucket.index, start, time.monotonic()))
+        settle = await send(bucket, *args)
+        if settle is None:
+            timeline.append((bucket.index, start, time.monotonic()))
+            return None
+
+        async def settled() -> None:  # a bucket left in flight ends when it settles
+            await settle()
+            timeline.append((bucket.index, start, time.monotonic()))
+
+        return settled
 
     sink.send_bucket = timed
     return True
