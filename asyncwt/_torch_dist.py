@@ -578,7 +578,11 @@ class TorchDistReceiver(ReceiverTransport):
                     taken = self.pool.try_take()
                     if taken is None:
                         break  # every buffer is in use: the next bucket waits for one
-                    frame = next(frames, None)
+                    try:
+                        frame = next(frames, None)  # an ABORT raises here
+                    except BaseException:
+                        taken[1]()
+                        raise
                     if frame is None:
                         taken[1]()
                         ended = True
