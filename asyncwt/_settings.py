@@ -28,6 +28,9 @@ _TIMEOUTS = (
 MAX_NUM_BUFFERS = 64
 """Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
 on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Upper bound on every timeout: a week is "no timeout" for a weight sync, and far
+larger values overflow the sockets' and threads' own limits."""
 MAX_ROUND_ID = 2**64 - 1
 """Round ids travel in frame headers as unsigned 64-bit integers."""
 
@@ -44,6 +47,13 @@ def check_at_most(name: str, value: int, limit: int) -> None:
     """Raise `ValueError` naming `name` if `value` (already checked positive) exceeds `limit`."""
     if value > limit:
         raise ValueError(f"{name} should be at most {limit}, got {value}")
+
+
+def check_timeout(name: str, value: object) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a number of seconds in
+    (0, `MAX_TIMEOUT_S`]."""
+    check_positive(name, value, float)
+    check_at_most(name, value, MAX_TIMEOUT_S)  # type: ignore[arg-type]
 
 
 def check_host(name: str, value: object) -> None:
@@ -114,7 +124,7 @@ class PipelineSettings:
         for name in ("num_buffers", "read_ahead"):
             check_at_most(name, getattr(self, name), MAX_NUM_BUFFERS)
         for name in _TIMEOUTS:
-            check_positive(name, getattr(self, name), float)
+            check_timeout(name, getattr(self, name))
         if not isinstance(self.zero_copy, bool):
             raise ValueError(f"zero_copy should be a bool, got {self.zero_copy!r}")
 
@@ -150,7 +160,7 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         check_positive("num_buffers", self.num_buffers)
         check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
         for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
-            check_positive(name, getattr(self, name), float)
+            check_timeout(name, getattr(self, name))
 
 
 @dataclass

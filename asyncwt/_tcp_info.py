@@ -13,6 +13,7 @@ from ._settings import (
     WorkerPlanInfo,
     check_host,
     check_positive,
+    check_timeout,
 )
 from ._trainer import TrainerInitInfo
 
@@ -61,7 +62,7 @@ class LinkedTrainerInfo(PipelineSettings):
             )
         check_positive("max_workers", self.max_workers)
         check_positive("max_pending_handshakes", self.max_pending_handshakes)
-        check_positive("handshake_timeout", self.handshake_timeout, float)
+        check_timeout("handshake_timeout", self.handshake_timeout)
 
     def link_settings(self) -> LinkSettings:
         return LinkSettings(

@@ -9,6 +9,7 @@ connections, killed or stopped peers, cancellation) are in `test_faults.py`.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,9 @@ from asyncwt import (
     trainer_init,
 )
 from asyncwt._launch import worker_process
+from asyncwt._plan import TransferPlan
 from asyncwt._sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
+from asyncwt._tcp_info import TcpWorkerInitInfo
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -103,7 +106,14 @@ async def test_mixed_dtypes_arrive_bit_exact_every_round(
 async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool) -> None:
     """With a transform every parameter goes through the applier (and chunk reassembly,
     or, elementwise, chunks landing and in-place transforms; 0-d and empty ones too)."""
-    args = ("--backend", backend, "--transform", "_models:identity_transform", "--apply-threads", "3")
+    args = (
+        "--backend",
+        backend,
+        "--transform",
+        "_models:identity_transform",
+        "--apply-threads",
+        "3",
+    )
     args += ("--transform-elementwise",) if elementwise else ()
     with worker_process("_models:mixed", *args, env=worker_env()) as url:
         async with HttpClient(url) as client:
@@ -325,6 +335,23 @@ async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
 def test_read_ahead_out_of_range_is_rejected_by_name(read_ahead: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         info_for("tcp", read_ahead=read_ahead)
+
+
+@pytest.mark.parametrize(
+    "name", ["connect_timeout", "recv_timeout", "send_timeout", "handshake_timeout"]
+)
+@pytest.mark.parametrize("value", [9_007_199_254_740_993, 1e300, 604_801])
+def test_timeouts_past_a_week_are_rejected_by_name(name: str, value: float) -> None:
+    """Found by the route fuzzer: a huge `connect_timeout` reached `settimeout`, whose
+    OverflowError escaped as a bare 500. Both ends now bound every timeout."""
+    message = rf"^{name} should be at most 604800, got {re.escape(str(value))}$"
+    with pytest.raises(ValueError, match=message):
+        info_for("tcp", **{name: value})
+    if name in ("connect_timeout", "recv_timeout"):  # what a worker receives, too
+        plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 20)
+        fields = {"plan": plan.to_wire(), "host": "127.0.0.1", "port": 1, "token": "t"}
+        with pytest.raises(ValueError, match=message):
+            TcpWorkerInitInfo(**fields, **{name: value})
 
 
 async def _fails_then_the_next_round_arrives(
