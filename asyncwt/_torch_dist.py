@@ -180,20 +180,33 @@ def _start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Wor
     return group.broadcast([tensor], options)
 
 
-def _wait_all(works: list[dist.Work]) -> None:
-    """Wait for every one of `works`, even after one fails (none may still be writing
-    into a buffer once this returns), then raise the first failure.
+def _wait_all(works: list[dist.Work], device: torch.device | None = None) -> None:
+    """Wait for every one of `works`, even after one fails (none may still be reading
+    or writing a buffer once this returns), then raise the first failure.
+
+    `device`: the CUDA device of an NCCL group's buffers. NCCL's `wait` only makes
+    the calling thread's current stream wait for the collective, without blocking
+    the host; but a trainer's staging slot is packed again on another stream, and a
+    worker's receive buffer is read by apply threads on theirs. So the waits go to
+    a fresh side stream (not the default one, where training or inference kernels
+    may be queued), and the host waits for that stream: on return the collectives
+    are over, for every stream.
 
     Empties `works`: a traceback that keeps the list must not keep the group (and
     its sockets) alive.
     """
     first: RuntimeError | None = None
+    cuda = device is not None and device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
     try:
-        for work in works:
-            try:
-                work.wait()
-            except RuntimeError as exc:  # DistError is a RuntimeError
-                first = first or exc
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for work in works:
+                try:
+                    work.wait()
+                except RuntimeError as exc:  # DistError is a RuntimeError
+                    first = first or exc
+        if side is not None:
+            side.synchronize()
     finally:
         works.clear()
     if first is not None:
@@ -274,6 +287,8 @@ class TorchDistSender(LinkedSender):
         self.device = _default_device(info.device)
         self.group_backend = info.group_backend or _group_backend(self.device)
         self.min_view_bytes = DIRECT_BROADCAST_BYTES if self.group_backend == "gloo" else None
+        self._collective_device = self.device if self.group_backend == "nccl" else None
+        """Where the broadcasts' buffers live when it is not the host (`_wait_all`)."""
         self.in_flight_buckets = IN_FLIGHT_BUCKETS
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
@@ -395,7 +410,7 @@ class TorchDistSender(LinkedSender):
 
         async def settle() -> None:
             try:
-                await anyio.to_thread.run_sync(_wait_all, works)
+                await anyio.to_thread.run_sync(_wait_all, works, self._collective_device)
             except RuntimeError as exc:
                 raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
 
@@ -448,13 +463,15 @@ class _Incoming:
     works: list[dist.Work]
     copied_out: list[Slice]
     """Short slices received into `buffer` that belong in the model as they are."""
+    device: torch.device | None
+    """`buffer`'s CUDA device under NCCL, else None (see `_wait_all`)."""
 
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
     def finish(self, target: ModelTarget) -> None:
         """Wait for the broadcasts, then copy the short direct slices into place."""
-        _wait_all(self.works)
+        _wait_all(self.works, self.device)
         for s in self.copied_out:
             landing = target.landing_view(s.param)[s.start : s.end]
             torch.frombuffer(landing, dtype=torch.uint8).copy_(
@@ -464,7 +481,7 @@ class _Incoming:
     def abandon(self) -> None:
         """After a failure: wait until nothing writes into the buffer, then release it."""
         with contextlib.suppress(RuntimeError):
-            _wait_all(self.works)
+            _wait_all(self.works, self.device)
         self.release()
 
 
@@ -640,7 +657,8 @@ class TorchDistReceiver(ReceiverTransport):
             destinations.append(buffer[unit.packed_range])
             copied_out.extend(s for s in unit.slices if target.direct[s.param])
         works = _start_all(self.group, destinations)
-        return _Incoming(bucket, buffer, release, works, copied_out)
+        device = self.device if self.info.group_backend == "nccl" else None
+        return _Incoming(bucket, buffer, release, works, copied_out, device)
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None
