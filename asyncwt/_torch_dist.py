@@ -115,6 +115,17 @@ def broadcast_units(bucket: Bucket, direct_bytes: int | None) -> list[BroadcastU
     return units
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID of `device`'s GPU (the same in every process, whatever
+    `CUDA_VISIBLE_DEVICES` numbers it), or None off CUDA or when torch cannot say."""
+    if device.type != "cuda":
+        return None
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
 def _group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -260,10 +271,19 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
     group_backend: str = "gloo"
     direct_bytes: int | None = None
     """Slices at least this long are broadcast on their own (`broadcast_units`)."""
+    trainer_gpu: str | None = None
+    """UUID of rank 0's GPU under NCCL (`gpu_uuid`), which refuses two ranks on one
+    GPU: a worker on the same one fails its init saying so, not the first round."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("store_port", self.store_port)
+        if self.trainer_gpu is not None and (
+            not isinstance(self.trainer_gpu, str) or not 0 < len(self.trainer_gpu) <= 64
+        ):
+            raise ValueError(
+                f"trainer_gpu should be None or a GPU UUID of 1-64 characters, got {self.trainer_gpu!r}"
+            )
         check_positive("world_size", self.world_size)
         if self.world_size < 2:
             raise ValueError(f"world_size should be >= 2, got {self.world_size}")
@@ -331,6 +351,7 @@ class TorchDistSender(LinkedSender):
             "world_size": info.num_workers + 1,
             "group_backend": self.group_backend,
             "direct_bytes": self.min_view_bytes,
+            "trainer_gpu": gpu_uuid(self.device) if self.group_backend == "nccl" else None,
         }
         await super().rendezvous(fields, init_workers)
         if len(self.links.peers) != info.num_workers:
@@ -507,6 +528,14 @@ class TorchDistReceiver(ReceiverTransport):
     def connect(self) -> None:
         """Connect the link and take a rank in the group (which forms at the first round)."""
         info = self.info
+        same_gpu = info.trainer_gpu is not None and gpu_uuid(self.device) == info.trainer_gpu
+        if info.group_backend == "nccl" and same_gpu:
+            raise TransferError(
+                f"torch_dist over NCCL needs this worker on a GPU other than the "
+                f"trainer's rank 0, but both use GPU {info.trainer_gpu} (NCCL refuses "
+                f"two ranks on one GPU); move the worker to another GPU, or use the "
+                f"'cuda_ipc' backend for a worker that shares the trainer's GPU"
+            )
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=info.num_buffers)
         try:

@@ -82,30 +82,3 @@ def test_an_abort_read_ahead_returns_every_receive_buffer(
     assert receiver.group is not None, "an abort keeps the group: the two sides are in step"
     taken = [pool.try_take() for _ in range(BUFFERS)]
     assert all(t is not None for t in taken), "a receive buffer was not returned"
-
-
-class _StreamOnlyWork:
-    """What NCCL's `Work.wait` does: order the calling thread's current stream after
-    the collective (here: whatever `producer` queued), without blocking the host."""
-
-    def __init__(self, producer: torch.cuda.Stream, device: torch.device) -> None:
-        self.producer, self.device = producer, device
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream(self.device).wait_stream(self.producer)
-        return True
-
-
-@pytest.mark.cuda
-def test_waiting_for_device_collectives_blocks_the_host_until_they_are_over() -> None:
-    """A staging slot is packed again, and a receive buffer read by apply threads, on
-    other streams than the one `wait` orders: `_wait_all` must return only once the
-    collective is over on the device."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    producer = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    for wait_for, over_on_return in ((None, False), (device, True)):
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(1 << 30)  # type: ignore[attr-defined] # a collective still running
-        _torch_dist._wait_all([_StreamOnlyWork(producer, device)], wait_for)  # type: ignore[list-item]
-        assert producer.query() is over_on_return
-        producer.synchronize()
