@@ -9,8 +9,10 @@ reported by the benchmark, never asserted here: CI machines vary.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from asyncwt._bench._cli import main
+from asyncwt._bench._cpu import CpuMeter, median_cores
 from asyncwt._bench._floors import gather_wire_floors, transform_floor
 from asyncwt._bench._memory import MemoryProbe
 from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worker_model_for
@@ -101,6 +104,13 @@ def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]
     direct = report["asyncwt"]["tcp"]["direct"]
     assert set(direct["vs"]) == {"raw_loopback", "memcpy", "naive", "gloo", "packed"}
     assert {"iterate", "pack", "send"} <= set(direct["stage_busy_s"])
+    # Cores each process kept busy (CPU seconds per wall second), on both ends.
+    limit = 1.5 * (os.cpu_count() or 1) + 1  # a round of a few ticks rounds up
+    assert set(direct["cores_busy"]) == {"trainer", "worker"}
+    assert set(report["limits"]["raw_loopback"]["cores_busy"]) == {"sender", "receiver"}
+    for busy in (direct["cores_busy"], report["limits"]["raw_loopback"]["cores_busy"]):
+        assert all(0.0 <= v <= limit for v in busy.values()), busy
+    assert "cores busy: trainer" in stdout and "cores busy: sender" in stdout
     # Paired in blocks of 2 (see the next test): 6 blocks, the first one's rounds warm-up.
     assert len(direct["rounds_s"]) == 11 and len(direct["warmup_s"]) == 1
     assert report["bars"] and all(b["status"] in {"PASS", "FAIL", "N/A"} for b in report["bars"])
@@ -224,6 +234,27 @@ def test_memory_probe_sees_a_touched_allocation() -> None:
     window = probe.stop()
     del buffer
     assert window.extra_bytes >= 30 << 20
+
+
+def test_cpu_meter_tells_a_busy_process_from_a_sleeping_one() -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        meter = CpuMeter({"this": None, "sleeper": sleeper.pid, "gone": 2**22 + 1})
+        mark = meter.mark()
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.5:  # spin: one core busy
+            pass
+        busy = meter.cores_busy(mark, time.perf_counter() - start)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert set(busy) == {"this", "sleeper"}  # a pid /proc does not know is left out
+    assert 0.6 <= busy["this"] <= 1.5
+    assert busy["sleeper"] <= 0.1
+    assert median_cores([busy, {"this": 0.0}, {"this": 4.0}]) == {
+        "this": busy["this"],
+        "sleeper": busy["sleeper"],
+    }
 
 
 def test_sweep_recommends_least_memory_within_five_percent_of_fastest() -> None:

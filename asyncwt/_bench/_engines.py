@@ -39,6 +39,7 @@ from .._registry import registered_backends, trainer_init
 from .._source import ModuleSource, WeightSource
 from .._stats import RoundStats
 from .._trainer import TrainerInitInfo
+from ._cpu import CpuMeter, median_cores
 from ._memory import MemoryProbe
 from ._model import LlamaShape, SyntheticLlama, fill_random
 from ._overlap import SlowSource, read_events, set_transform_delay
@@ -198,6 +199,8 @@ async def measure_engine(
     trainer_probe.start()
     worker_probe.start(worker_baseline_bytes)
     stats: list[RoundStats] = []
+    cores: list[dict[str, float]] = []
+    meter = CpuMeter({"trainer": None, "worker": worker_pid})
     timeline: list[tuple[int, float, float]] = []
     async with HttpClient(url, timeout=600.0) as client:
         try:
@@ -208,7 +211,9 @@ async def measure_engine(
                     if before_round is not None:
                         before_round(i)
                     timeline.clear()
+                    mark = meter.mark()
                     round_stats = await engine.send_weights(weight_version=f"bench-{i}")
+                    cores.append(meter.cores_busy(mark, round_stats.wall_s))
                     stats.append(round_stats)
                     if on_round is not None:
                         on_round(i, round_stats, list(timeline))
@@ -233,6 +238,7 @@ async def measure_engine(
         stage_busy_s=busy,
         stage_busy_share=({k: v / _median([s.wall_s for s in timed]) for k, v in busy.items()}),
         send_timeline_hooked=hooked,
+        cores_busy=median_cores(cores[rounds.warmup :]),
         memory={"trainer": trainer_window.as_dict(), "worker": worker_window.as_dict()},
         worker_version=status.get("weight_version"),
         worker_checksum=status.get("checksum"),

@@ -27,6 +27,7 @@ import torch
 from typing_extensions import Self
 
 from .._bytes import byte_view, empty_bytes
+from ._cpu import CpuMeter, median_cores
 from ._procs import READY, Child, connect_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
@@ -64,13 +65,13 @@ def measure_raw_loopback(
     total: int, rounds: Rounds, log_dir: Path, env: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """Raw one-stream loopback throughput for `total` bytes, per chunk size and best."""
+    variants: dict[str, dict[str, Any]] = {}
     with RawLoopback(total, log_dir, env) as raw:
-        variants = {
-            f"{chunk >> 20}MiB": rounds.measure(
-                functools.partial(raw.round_s, chunk), total, chunk_bytes=chunk
-            )
-            for chunk in RAW_CHUNKS
-        }
+        for chunk in RAW_CHUNKS:
+            raw.cores.clear()
+            record = rounds.measure(functools.partial(raw.round_s, chunk), total, chunk_bytes=chunk)
+            record["cores_busy"] = median_cores(raw.cores[rounds.warmup :])
+            variants[f"{chunk >> 20}MiB"] = record
     best_key = max(variants, key=lambda k: variants[k]["gbps"])
     best = dict(variants[best_key])
     best["variant"] = best_key
@@ -96,6 +97,9 @@ class RawLoopback:
         self._child: Child | None = None
         self._buffer: torch.Tensor | None = None
         self._view: memoryview | None = None
+        self._meter: CpuMeter | None = None
+        self.cores: list[dict[str, float]] = []
+        """Cores each side kept busy, per round (`CpuMeter.cores_busy`), in order."""
 
     def __enter__(self) -> Self:
         with contextlib.ExitStack() as stack:
@@ -105,17 +109,21 @@ class RawLoopback:
             self._buffer = empty_bytes(self.total)  # held: the view does not keep it alive
             self._view = byte_view(self._buffer)
             self._sock, self._child = sock, child
+            self._meter = CpuMeter({"sender": child.pid, "receiver": None})
             self._stack = stack.pop_all()
         return self
 
     def round_s(self, chunk: int) -> float:
         """One round: the child sends `total` bytes in `chunk`-sized `sendall`s; seconds."""
-        if self._sock is None or self._view is None:
+        if self._sock is None or self._view is None or self._meter is None:
             raise RuntimeError("RawLoopback.round_s called outside its `with` block")
+        mark = self._meter.mark()
         start = time.perf_counter()
         self._sock.sendall(_GO.pack(b"G", chunk))
         recv_into_all(self._sock, self._view, chunk)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.cores.append(self._meter.cores_busy(mark, elapsed))
+        return elapsed
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         """Let the child exit on its own after a clean run; stop it otherwise."""
@@ -125,6 +133,7 @@ class RawLoopback:
                 self._child.wait(IO_TIMEOUT_S)
         finally:
             self._sock, self._child, self._view, self._buffer = None, None, None, None
+            self._meter = None
             self._stack.close()
 
 

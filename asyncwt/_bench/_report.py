@@ -189,6 +189,12 @@ def _mib(n: float) -> str:
     return f"{n / MiB:8.1f}"
 
 
+def _cores(record: dict[str, Any]) -> str:
+    """`cores busy: trainer 0.91, worker 0.55`: each process's CPU seconds per wall
+    second in a median round (see `asyncwt._bench._cpu`)."""
+    return "cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in record["cores_busy"].items())
+
+
 def _x(v: float | None) -> str:
     return "     -" if v is None else f"{v:6.2f}"
 
@@ -223,6 +229,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"  {'memcpy, 1 thread':34} {mem['median_s']:9.3f} {mem['gbps']:6.2f} {_x(mem['vs']['raw_loopback'])} "
         f"{_x(1.0):>7}"
     )
+    if raw.get("cores_busy"):
+        lines.append(f"  (raw loopback TCP, {_cores(raw)})")
     if "start" in raw:
         lines.append(
             f"  (raw loopback at the start {raw['start']['gbps']:.2f} GB/s, at the end "
@@ -265,6 +273,7 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"  asyncwt {backend} ({path}) bucket {cfg['bucket_bytes'] / MiB:g} MiB x {cfg['num_buffers']}, "
                 f"{record['buckets']} buckets; stage busy: {busy}"
+                + (f"; {_cores(record)}" if record.get("cores_busy") else "")
             )
 
     for backend, overlap in report["overlap"].items():

@@ -1,0 +1,64 @@
+"""How many cores a process kept busy over a window, without psutil.
+
+The benchmark's transfers run at one loopback stream's speed; whether that speed is
+bound by a process's CPU (a side that stays busy for the whole round) or by waiting
+is what `cores_busy` shows: CPU seconds over wall seconds, every thread of the
+process counted (user and system time from `/proc/PID/stat`). 1.0 is one core
+busy all the time; a machine's cores bound the sum.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["CpuMeter", "median_cores", "process_cpu_s"]
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_UTIME_FIELD = 11
+"""Index of `utime` among the fields after the command name (field 14 of `stat`)."""
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """User + system CPU seconds `pid` (this process by default) has used, all its
+    threads together; `None` where `/proc` cannot tell (not Linux, or it is gone)."""
+    try:
+        with open(f"/proc/{os.getpid() if pid is None else pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return (int(fields[_UTIME_FIELD]) + int(fields[_UTIME_FIELD + 1])) / _TICKS_PER_S
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMeter:
+    """Cores busy per named process over a window: `mark()` before, `cores_busy` after."""
+
+    pids: Mapping[str, int | None]
+    """Process names (as the report shows them) and their pids (None: this one)."""
+
+    def mark(self) -> dict[str, float | None]:
+        return {name: process_cpu_s(pid) for name, pid in self.pids.items()}
+
+    def cores_busy(self, since: Mapping[str, float | None], wall_s: float) -> dict[str, float]:
+        """CPU seconds each process used since `since` (a `mark()`), per wall second;
+        a process `/proc` could not read at either end is left out."""
+        now = self.mark()
+        busy: dict[str, float] = {}
+        for name, before in since.items():
+            after = now.get(name)
+            if before is not None and after is not None and wall_s > 0:
+                busy[name] = (after - before) / wall_s
+        return busy
+
+
+def median_cores(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per process, the median over `rounds` of its cores busy (`CpuMeter.cores_busy`
+    of each round); a process missing from every round is left out."""
+    names = dict.fromkeys(name for busy in rounds for name in busy)  # in the meter's order
+    return {
+        name: statistics.median(busy[name] for busy in rounds if name in busy) for name in names
+    }
