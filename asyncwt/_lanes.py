@@ -5,6 +5,12 @@ memory). Work enqueued inside `lane.activate()` runs on it; `lane.record()` mark
 the point a later stage must wait for, and `await lane.wait(event)` waits without
 blocking the event loop. On the CPU work is synchronous, so an event is complete
 the moment it is recorded and the same code path costs nothing.
+
+Every CUDA event here is made with `blocking=True`: a host that waits for it
+sleeps in the driver instead of spinning a core (a spin per bucket would take a
+core from the trainer for the whole round). `lane.device` always has its index
+(see `asyncwt._device`), so the events and streams belong to the right GPU whatever
+thread records or waits on them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-__all__ = ["DeviceLane", "LaneEvent"]
+__all__ = ["DeviceLane", "LaneEvent", "blocking_event", "staging_buffer", "wait_for_stream"]
 
 
 class LaneEvent(Protocol):
@@ -41,6 +47,18 @@ class _DoneEvent:
 _DONE = _DoneEvent()
 
 
+def blocking_event() -> torch.cuda.Event:
+    """A CUDA event whose `synchronize()` sleeps instead of spinning a core."""
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+
+def wait_for_stream(stream: torch.cuda.Stream) -> None:
+    """Block this thread, without spinning, until `stream`'s queued work is done."""
+    event = blocking_event()
+    event.record(stream)
+    event.synchronize()
+
+
 class DeviceLane:
     """An ordered queue of device work: a CUDA stream on a GPU, nothing on the CPU."""
 
@@ -48,6 +66,11 @@ class DeviceLane:
         self.device = torch.device(device)
         self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
+            if self.device.index is None:
+                raise ValueError(
+                    f"device should be a CUDA device with its index (see resolve_device), "
+                    f"got {self.device}"
+                )
             self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
 
     @property
@@ -68,7 +91,7 @@ class DeviceLane:
         """Mark everything enqueued on the lane so far."""
         if self.stream is None:
             return _DONE
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = blocking_event()
         event.record(self.stream)
         return event
 
@@ -77,7 +100,7 @@ class DeviceLane:
         (e.g. the optimizer step), for this lane to wait on before reading weights."""
         if self.stream is None:
             return _DONE
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = blocking_event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 

@@ -4,9 +4,13 @@
   work), checks every yield against the plan, and hands out one `_Work` per bucket
   as soon as every tensor the bucket needs has been yielded;
 - *pack* takes a slot from a fixed pool (`num_buffers` of them: the backpressure)
-  and turns the work into wire segments. A contiguous CPU tensor is sent in place
-  (a byte view, no copy); anything else is copied into the slot's staging buffer
-  on the pack lane, whose event the next stage waits for;
+  and turns the work into segments: byte ranges (1-D uint8 tensors) of the source's
+  tensors or of a staging buffer, on the host or on a GPU. A contiguous CPU tensor
+  is sent in place (no copy); anything else is copied into the slot's staging
+  buffer on the pack lane, whose event the next stage waits for. A copy the device
+  runs on its own (into device or pinned memory) is queued from the loop; any other
+  (a CPU copy, or a device-to-host copy into pageable memory, which waits for the
+  device) runs on a thread, so the loop never blocks on it;
 - *send* waits for that event without blocking the loop, hands the segments to the
   sink (the transport), then returns the slot. A sink may leave a bucket in flight
   (`send_bucket` returns a `Settle`): its slot and its tensors are then held until
@@ -32,7 +36,6 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._bytes import byte_view
 from ._concurrency import single_error
 from ._exceptions import SourceMismatchError
 from ._lanes import DeviceLane, LaneEvent, staging_buffer
@@ -44,11 +47,17 @@ from ._stats import StageClock
 __all__ = [
     "BucketSink",
     "PipelineConfig",
+    "Segment",
     "Settle",
     "StagingPool",
     "iterate_and_check",
     "run_pipeline",
 ]
+
+Segment = torch.Tensor
+"""A byte range of a bucket's payload: a 1-D uint8 view of a source tensor or of a
+staging buffer, on the host or on a device. Sinks that write to sockets take
+`byte_view(segment)` (host segments only); device sinks use the tensor itself."""
 
 Settle = Callable[[], Awaitable[None]]
 """What `send_bucket` returns for a bucket it left in flight: awaiting it returns
@@ -77,9 +86,9 @@ class BucketSink(Protocol):
     whose `send_bucket` always returns `None`."""
 
     async def send_bucket(
-        self, bucket: Bucket, slot: int, segments: list[memoryview]
+        self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Deliver `bucket`'s payload. `None`: the segments may be reused now. A
+        """Deliver `bucket`'s payload, one segment per slice. `None`: the segments may be reused now. A
         `Settle`: they stay valid (their slot held, their tensors alive) until it
         returns; the pipeline awaits it before more than `in_flight_buckets` are out."""
         ...
@@ -174,7 +183,7 @@ class _Work:
 @dataclass
 class _Packed:
     bucket: Bucket
-    segments: list[memoryview]
+    segments: list[Segment]
     slot: int
     ready: LaneEvent
     keepalive: _Work
@@ -226,16 +235,22 @@ def _iter_pairs(source: WeightSource) -> Generator[tuple[str, torch.Tensor], Non
 
 
 def iterate_and_check(
-    plan: TransferPlan, expected: list[int], source: WeightSource, lane: DeviceLane
+    plan: TransferPlan,
+    expected: list[int],
+    source: WeightSource,
+    lane: DeviceLane,
+    fence: LaneEvent,
 ) -> None:
     """Run a full pass of `source.iter_full()` and check it, keeping nothing.
 
-    What non-sender ranks do: their collectives must line up with the sender's.
+    What non-sender ranks do: their collectives must line up with the sender's, and
+    like the sender they read the weights only after `fence` (the training step).
     """
     pairs = _iter_pairs(source)
     pos = 0
     try:
         with lane.activate(), prompt_wakeups():
+            lane.wait_on(fence)
             for name, tensor in pairs:
                 _check_yield(plan, expected, pos, name, tensor)
                 pos += 1
@@ -251,7 +266,7 @@ def _iterate(
     out: _Handoff,
     stop: threading.Event,
     clock: StageClock,
-    caller_ready: LaneEvent,
+    fence: LaneEvent,
 ) -> None:
     """The iterate stage's thread body: yield → check → group by bucket → hand out."""
     expected = list(range(len(plan.params)))
@@ -261,7 +276,7 @@ def _iterate(
     pairs = _iter_pairs(source)
     try:
         with lane.activate(), prompt_wakeups():
-            lane.wait_on(caller_ready)  # the weights as of the send_weights call
+            lane.wait_on(fence)  # the weights as of the send_weights call
             clock.start()
             for name, tensor in pairs:
                 if stop.is_set():
@@ -323,6 +338,18 @@ def _copy_into_bulk(
         return _copy_into(staging, copies, lane, ready)
 
 
+def _runs_on_device(
+    staging: torch.Tensor, copies: list[tuple[Slice, torch.Tensor]], lane: DeviceLane
+) -> bool:
+    """Whether queuing these copies returns at once, the device doing them later:
+    device tensors into device or pinned host memory, on an asynchronous lane.
+    A CPU copy, and a device-to-host copy into pageable memory (which waits for
+    the device), hold the calling thread instead."""
+    if not lane.is_async or not all(tensor.is_cuda for _, tensor in copies):
+        return False
+    return staging.is_cuda or staging.is_pinned()
+
+
 async def _pack(
     inbox: MemoryObjectReceiveStream[_Work],
     handoff: _Handoff,
@@ -360,12 +387,12 @@ async def _pack_each(
         handoff.taken()
         slot = await free_slots.receive()
         clock.start()
-        segments: list[memoryview] = []
+        segments: list[Segment] = []
         copies: list[tuple[Slice, torch.Tensor]] = []
         staging: torch.Tensor | None = None
         for s, tensor in zip(work.bucket.slices, work.tensors):
             if min_view is not None and s.nbytes >= min_view and tensor.device.type == "cpu":
-                segments.append(byte_view(tensor)[s.start : s.end])
+                segments.append(_tensor_bytes(tensor, s))
                 continue
             if staging is None:
                 clock.stop()
@@ -375,10 +402,10 @@ async def _pack_each(
                 if staging is None:
                     staging = pool.buffer(slot)
             copies.append((s, tensor))
-            segments.append(byte_view(staging)[s.offset : s.offset + s.nbytes])
+            segments.append(staging[s.offset : s.offset + s.nbytes])
         ready = work.ready
         if copies and staging is not None:
-            if lane.is_async:
+            if _runs_on_device(staging, copies, lane):
                 ready = _copy_into(staging, copies, lane, work.ready)
             else:
                 ready = await anyio.to_thread.run_sync(
@@ -451,9 +478,13 @@ async def run_pipeline(
     iterate_lane: DeviceLane,
     pack_lane: DeviceLane,
     config: PipelineConfig,
+    fence: LaneEvent,
     opened: anyio.Event | None = None,
 ) -> dict[str, float]:
     """Stream every bucket of `plan` from `source` into `sink`; return stage busy seconds.
+
+    The source is read only after `fence` (the caller's training step, see
+    `PipelinedTrainerEngine.fence`), on the device.
 
     With `opened`, the source is iterated at once but the sink is used only once the
     event is set: the caller opens the round on the transport meanwhile, and the
@@ -470,7 +501,6 @@ async def run_pipeline(
     for slot in range(config.num_buffers):
         slot_send.send_nowait(slot)
     stop = threading.Event()
-    caller_ready = iterate_lane.record_caller()
     handoff = _Handoff(work_send, config.queue_depth, asyncio.get_running_loop())
 
     async def iterate() -> None:
@@ -484,7 +514,7 @@ async def run_pipeline(
                     handoff,
                     stop,
                     clocks["iterate"],
-                    caller_ready,
+                    fence,
                 )
             finally:
                 stop.set()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._client import AnyWeightSyncClient
+from ._device import resolve_device
 from ._source import WeightSource
 from ._trainer import TrainerInitInfo, TrainerWeightTransferEngine
 from ._worker import WeightTransferConfig, WeightTransferEngine
@@ -19,8 +21,9 @@ __all__ = [
     "trainer_init",
 ]
 
-_UNAVAILABLE: dict[str, str] = {}
-"""Backends that ship with asyncwt but cannot run here, with the reason."""
+_REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
+"""Backends that need something of the machine: a check that returns why it is
+missing (or None), run when the backend is asked for, never at import."""
 _TRAINER_ENGINES: dict[str, type[TrainerWeightTransferEngine[Any]]] = {}
 _WORKER_ENGINES: dict[str, type[WeightTransferEngine[Any, Any]]] = {}
 
@@ -37,23 +40,24 @@ def _register(registry: dict[str, Any], kind: str, backend: str, cls: type) -> N
 
 
 def _lookup(registry: dict[str, Any], kind: str, backend: str) -> Any:
-    try:
-        return registry[backend]
-    except KeyError:
-        known = ", ".join(repr(b) for b in sorted(registry)) or "none"
-        if backend in _UNAVAILABLE:
-            raise ValueError(
-                f"{kind} backend {backend!r} is not available: {_UNAVAILABLE[backend]}; "
-                f"registered backends: {known}"
-            ) from None
+    known = ", ".join(repr(b) for b in sorted(registry)) or "none"
+    if backend not in registry:
+        raise ValueError(f"unknown {kind} backend {backend!r}; registered backends: {known}")
+    check = _REQUIREMENTS.get(backend)
+    missing = check() if check is not None else None
+    if missing is not None:
         raise ValueError(
-            f"unknown {kind} backend {backend!r}; registered backends: {known}"
-        ) from None
+            f"{kind} backend {backend!r} is not available: {missing}; registered backends: {known}"
+        )
+    return registry[backend]
 
 
-def mark_unavailable(backend: str, why: str) -> None:
-    """Record that built-in `backend` cannot run here, so asking for it says why."""
-    _UNAVAILABLE[backend] = why
+def require(backend: str, check: Callable[[], str | None]) -> None:
+    """Make asking for `backend` run `check` first: what it returns (why the machine
+    cannot run the backend) is the error, `None` lets it through. Checks run on
+    use, so that importing asyncwt touches no device (CUDA's initialisation in a
+    process that forks later breaks its children)."""
+    _REQUIREMENTS[backend] = check
 
 
 def register_trainer_engine(backend: str, cls: type[TrainerWeightTransferEngine[Any]]) -> None:
@@ -109,11 +113,13 @@ def create_worker_engine(
 ) -> WeightTransferEngine[Any, Any]:
     """Build the worker engine that `config.backend` names.
 
-    `device` defaults to the device of the model's first parameter (CPU if none).
+    `device` defaults to the device of the model's first parameter (CPU if none);
+    a bare `"cuda"` is the calling thread's current CUDA device.
     """
     cls = worker_engine_class(config.backend)
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-    engine: WeightTransferEngine[Any, Any] = cls(config, vllm_config, torch.device(device), model)
+    resolved = resolve_device(device)
+    engine: WeightTransferEngine[Any, Any] = cls(config, vllm_config, resolved, model)
     return engine

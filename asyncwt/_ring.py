@@ -19,6 +19,7 @@ import torch
 from ._applier import ModelTarget
 from ._exceptions import ProtocolError
 from ._link import LinkedSender, Peer, WorkerLink, connect_link
+from ._pipeline import Segment
 from ._plan import Bucket, TransferPlan
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport
@@ -84,7 +85,9 @@ class RingSender(LinkedSender):
             frame = await self.links.read_frame(peer, self.release_timeout, "a ring-slot release")
             try:
                 if frame.kind != FrameKind.RELEASE:
-                    raise self.links.protocol_error(peer, f"sent {frame.kind.name} instead of RELEASE")
+                    raise self.links.protocol_error(
+                        peer, f"sent {frame.kind.name} instead of RELEASE"
+                    )
                 self._on_release(peer, frame)
             except ProtocolError as exc:
                 peer.close(str(exc))
@@ -94,7 +97,7 @@ class RingSender(LinkedSender):
         self.bound.clear()  # bindings of an aborted round are void
         await self.links.wait_ready(round_id, self._on_release)
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
         ring = self.bound.pop(slot)  # from now on `pending` guards the ring slot
         header = self.links.frame(
             FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring

@@ -91,7 +91,9 @@ class PipelineSettings:
     benchmark's two equal stages over tcp, 2 measured 1.16-1.20x the slower stage
     alone and 4 measured 1.10-1.12x)."""
     device: str | None = None
-    """Device for lanes and staging; `None` picks CUDA when available, else CPU."""
+    """Device for lanes and staging. `None` follows the source's tensors (a CPU model
+    stays on the CPU, and a torch_dist trainer on gloo, even on a GPU host); a bare
+    `"cuda"` is the current CUDA device of the thread that calls `trainer_init`."""
     connect_timeout: float = 60.0
     """Seconds for init: the workers connecting and passing the handshake (sent to
     workers, which bound their own connect and handshake by it)."""

@@ -34,6 +34,7 @@ from . import _cma
 from ._applier import ModelTarget
 from ._exceptions import TransferError
 from ._link import Peer
+from ._pipeline import Segment
 from ._plan import Bucket, TransferPlan
 from ._ring import RingReceiver, RingSender
 from ._sockio import recv_exact
@@ -134,6 +135,15 @@ def _attach(name: str, nbytes: int) -> shared_memory.SharedMemory:
     return segment
 
 
+def _host_address(segment: Segment) -> int:
+    """Where a host segment's first byte is in this process (0 if it is empty)."""
+    if segment.device.type != "cpu":
+        raise ValueError(
+            f"a segment lent for direct reads should be host memory, got {segment.device}"
+        )
+    return segment.data_ptr() if segment.numel() else 0
+
+
 class ShmSender(RingSender):
     """Offers direct reads to the workers, and keeps the ring (owner-only segments)
     for those that cannot take them."""
@@ -202,7 +212,7 @@ class ShmSender(RingSender):
         if not self.direct:  # else send_bucket returned only once every worker had read
             await super().reclaim(slot)
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
         """Lend `bucket` to the direct readers (its addresses), then announce its ring
         slot to the ring workers; return once every direct reader has read it.
 
@@ -220,7 +230,7 @@ class ShmSender(RingSender):
                 ring = self.bound.pop(slot)
                 self.pending[ring] = set(ring_peers)
             if readers:
-                addresses = struct.pack(f"<{len(segments)}Q", *map(_cma.buffer_address, segments))
+                addresses = struct.pack(f"<{len(segments)}Q", *map(_host_address, segments))
                 await self.links.each(self._lend, bucket, addresses, among=readers)
             if ring_peers:
                 header = self.links.frame(
@@ -338,7 +348,9 @@ class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
     init_info_cls = ShmTrainerInitInfo
 
     @classmethod
-    def make_transport(cls, info: ShmTrainerInitInfo, plan: TransferPlan) -> SenderTransport:
+    def make_transport(
+        cls, info: ShmTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> SenderTransport:
         return ShmSender(info, plan)
 
 

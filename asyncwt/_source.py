@@ -60,6 +60,14 @@ class WeightSource(ABC):
         """The names `rank` owns, in metadata order: exactly what it iterates."""
         return [m.name for m in self.metadata if m.owners is None or rank in m.owners]
 
+    def device(self) -> torch.device | None:
+        """The device this rank's tensors live on, or `None` if the source cannot say.
+
+        Engines stage on it when no device is configured (see `resolve_device`);
+        an asyncwt extension of the interface, with a default every source has.
+        """
+        return None
+
     def implements_iter_full(self) -> bool:
         """Whether this source overrides `iter_full`."""
         return type(self).iter_full is not WeightSource.iter_full
@@ -165,6 +173,11 @@ class ModuleSource(WeightSource):
                     )
                 )
         return metas
+
+    def device(self) -> torch.device | None:
+        """The device of the module's first parameter (None for a module without any)."""
+        first = next(iter(self._module.parameters()), None)
+        return None if first is None else first.device
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._parameters():

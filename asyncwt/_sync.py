@@ -3,12 +3,18 @@
 The async engine runs on one private event loop thread (uvloop when installed);
 `send_weights` submits the round there and blocks until it ends. There is no
 second copy of the pipeline: this module only crosses the thread boundary.
+
+What belongs to the caller's thread is taken there, before crossing: the device
+(a bare `"cuda"` is the caller's current CUDA device, not the loop thread's) and
+each round's fence (the work queued on the caller's current stream, which the
+round must wait for before it reads the weights).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import signal
 import threading
@@ -21,7 +27,9 @@ import anyio.from_thread
 from typing_extensions import Self
 
 from ._client import AnyWeightSyncClient
+from ._device import resolve_device
 from ._registry import trainer_init
+from ._settings import PipelineSettings
 from ._source import WeightSource
 from ._stats import RoundStats
 from ._trainer import TrainerInitInfo, TrainerWeightTransferEngine
@@ -91,6 +99,9 @@ class SyncTrainerEngine:
         source: WeightSource | None = None,
     ) -> None:
         _refuse_inside_event_loop("__init__")
+        if isinstance(init_info, PipelineSettings):
+            device = resolve_device(init_info.device, source)  # in the caller's thread
+            init_info = dataclasses.replace(init_info, device=str(device))  # type: ignore[call-arg]
         self._portal_cm = anyio.from_thread.start_blocking_portal(
             "asyncio", {"use_uvloop": _uvloop_available()}
         )
@@ -157,9 +168,11 @@ class SyncTrainerEngine:
         _refuse_inside_event_loop("send_weights")
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
-        stats: RoundStats = self._run(
-            functools.partial(self.engine.send_weights, weight_version=weight_version)
-        )
+        fence = getattr(self.engine, "fence", None)
+        kwargs: dict[str, Any] = {"weight_version": weight_version}
+        if fence is not None:
+            kwargs["after"] = fence()  # the caller's stream, in the caller's thread
+        stats: RoundStats = self._run(functools.partial(self.engine.send_weights, **kwargs))
         return stats
 
     def shutdown(self) -> None:

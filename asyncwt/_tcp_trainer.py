@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
+from ._bytes import byte_view
 from ._link import LinkedSender
+from ._pipeline import Segment
 from ._plan import Bucket, TransferPlan
 from ._tcp_info import TcpTrainerInitInfo
 from ._trainer_engine import PipelinedTrainerEngine
@@ -20,9 +24,9 @@ class TcpSender(LinkedSender):
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> None:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
-        frame = [memoryview(header.pack()), *segments]
+        frame = [memoryview(header.pack()), *map(byte_view, segments)]
         await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}")
 
 
@@ -37,5 +41,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     init_info_cls = TcpTrainerInitInfo
 
     @classmethod
-    def make_transport(cls, info: TcpTrainerInitInfo, plan: TransferPlan) -> SenderTransport:
+    def make_transport(
+        cls, info: TcpTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> SenderTransport:
         return TcpSender(info, plan)

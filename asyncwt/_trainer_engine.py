@@ -19,8 +19,9 @@ from typing_extensions import Self
 
 from ._client import AnyWeightSyncClient, call_client
 from ._concurrency import single_error
+from ._device import resolve_device
 from ._exceptions import ControlPlaneError
-from ._lanes import DeviceLane
+from ._lanes import DeviceLane, LaneEvent
 from ._pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
 from ._plan import TransferPlan
 from ._settings import PipelineSettings
@@ -36,9 +37,7 @@ logger = logging.getLogger("asyncwt")
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
 
 
-async def bounded_call(
-    client: object, method: str, *args: Any, timeout: float, where: str
-) -> None:
+async def bounded_call(client: object, method: str, *args: Any, timeout: float, where: str) -> None:
     """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
 
     A synchronous client's thread cannot be interrupted: it is left to finish in the
@@ -52,12 +51,6 @@ async def bounded_call(
             f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
             f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
         )
-
-
-def _default_device(name: str | None) -> torch.device:
-    if name is not None:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
@@ -79,13 +72,15 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         client: AnyWeightSyncClient,
         source: WeightSource,
         plan: TransferPlan,
+        device: torch.device,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
         settings: PipelineSettings = info
         self.info = info
         self.plan = plan
         self.source: WeightSource = source
-        device = _default_device(settings.device)
+        self.device = device
+        """Where lanes and staging live: `settings.device` resolved once, with its index."""
         self._iterate_lane = DeviceLane(device)
         self._pack_lane = DeviceLane(device)
         self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
@@ -103,8 +98,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
     @classmethod
     @abstractmethod
-    def make_transport(cls, info: Any, plan: TransferPlan) -> SenderTransport:
-        """The backend's sending side for rank 0."""
+    def make_transport(cls, info: Any, plan: TransferPlan, device: torch.device) -> SenderTransport:
+        """The backend's sending side for rank 0; `device` is the engine's, resolved."""
 
     @classmethod
     async def trainer_init(
@@ -115,6 +110,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         source: WeightSource | None = None,
     ) -> Self:
         """Plan from `source.metadata`; on rank 0, open the transport and init the workers.
+
+        The device (`init_info.device`, else the source's) is resolved here, in the
+        calling thread: a bare `"cuda"` is this thread's current CUDA device.
 
         Cancellation: everything the transport opened is closed; no engine results.
         """
@@ -139,9 +137,10 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                         f"parameter {meta.name!r} is not owned by rank 0 (owners {meta.owners}); "
                         f"the {init_info.backend} backend sends every full tensor from rank 0"
                     )
-        engine = cls(init_info, client=client, source=source, plan=plan)
+        device = resolve_device(settings.device, source)
+        engine = cls(init_info, client=client, source=source, plan=plan, device=device)
         if init_info.is_sender:
-            transport = cls.make_transport(init_info, plan)
+            transport = cls.make_transport(init_info, plan, device)
             fields = {"plan": plan.to_wire(), **settings.worker_fields()}
 
             async def init_workers(init_info: dict[str, Any]) -> None:
@@ -166,8 +165,21 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         """Workers this (sender) engine reaches; 0 on other ranks."""
         return self.transport.num_workers if self.transport is not None else 0
 
-    async def send_weights(self, *, weight_version: str | None = None) -> RoundStats:  # type: ignore[override]
+    def fence(self) -> LaneEvent:
+        """Mark the work the calling thread has queued on its current stream (the
+        optimizer step, say): a round started with this fence reads the weights only
+        after it. `send_weights` takes it itself; a caller that runs the round from
+        another thread (the blocking façade) takes it in the training thread."""
+        return self._iterate_lane.record_caller()
+
+    async def send_weights(  # type: ignore[override]
+        self, *, weight_version: str | None = None, after: LaneEvent | None = None
+    ) -> RoundStats:
         """Run one round and return its stats; call it on every trainer rank.
+
+        Every rank first waits (on the device, not the host) for the work queued on
+        the calling thread's current stream, or for `after` (see `fence`): the
+        weights read are those of the step that came before the call.
 
         Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
         the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
@@ -186,7 +198,10 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
         if self._busy:
-            raise RuntimeError("send_weights is already running on this engine; rounds cannot overlap")
+            raise RuntimeError(
+                "send_weights is already running on this engine; rounds cannot overlap"
+            )
+        fence = after if after is not None else self.fence()
         self._busy = True
         self._rounds += 1
         round_id = self._rounds
@@ -195,18 +210,27 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             if self.transport is None:
                 t0 = time.perf_counter()
                 await anyio.to_thread.run_sync(
-                    iterate_and_check, self.plan, self._expected, self.source, self._iterate_lane
+                    iterate_and_check,
+                    self.plan,
+                    self._expected,
+                    self.source,
+                    self._iterate_lane,
+                    fence,
                 )
                 busy = {"iterate": time.perf_counter() - t0}
                 return self._stats(round_id, weight_version, started, busy, sent=False)
             self.transport.check_usable()
-            busy = await self._sender_round(self.transport, round_id, weight_version)
+            busy = await self._sender_round(self.transport, round_id, weight_version, fence)
             return self._stats(round_id, weight_version, started, busy, sent=True)
         finally:
             self._busy = False
 
     async def _sender_round(
-        self, transport: SenderTransport, round_id: int, weight_version: str | None
+        self,
+        transport: SenderTransport,
+        round_id: int,
+        weight_version: str | None,
+        fence: LaneEvent,
     ) -> dict[str, float]:
         """Open the round while the first tensors are gathered, stream, finish.
 
@@ -255,6 +279,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                                 iterate_lane=self._iterate_lane,
                                 pack_lane=self._pack_lane,
                                 config=self._pipeline,
+                                fence=fence,
                                 opened=opened,
                             )
                     await transport.end_round()

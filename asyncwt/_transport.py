@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._applier import ModelTarget
-from ._pipeline import Settle
+from ._pipeline import Segment, Settle
 from ._plan import Bucket
 
 __all__ = ["ReceivedBucket", "ReceiverTransport", "SenderTransport"]
@@ -62,9 +62,10 @@ class SenderTransport(ABC):
 
     @abstractmethod
     async def send_bucket(
-        self, bucket: Bucket, slot: int, segments: list[memoryview]
+        self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Deliver `bucket` (its payload is `segments`, packed in `slot` if staged).
+        """Deliver `bucket` (its payload is `segments`, packed in `slot` if staged;
+        device segments when `staging(slot)` is device memory).
 
         Returns `None` once the segments may be reused, or (with `in_flight_buckets`
         above 1) a `Settle` the pipeline awaits before it reuses them.

@@ -48,7 +48,7 @@ class LateReadingSink:
     async def reclaim(self, slot: int) -> None:
         return None
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> Settle:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[torch.Tensor]) -> Settle:
         self.unsettled.append(bucket.index)
         self.most_unsettled = max(self.most_unsettled, len(self.unsettled))
         if self.cancel_at is not None and self.cancel_at[0] == bucket.index:
@@ -56,7 +56,7 @@ class LateReadingSink:
 
         async def settle() -> None:
             await anyio.sleep(0.01)  # the pipeline packs the next bucket meanwhile
-            self.received[bucket.index] = b"".join(bytes(s) for s in segments)
+            self.received[bucket.index] = b"".join(bytes(byte_view(s)) for s in segments)
             self.unsettled.remove(bucket.index)
             self.settled_order.append(bucket.index)
             if bucket.index == self.fail_at:
@@ -80,6 +80,7 @@ async def _run(sink: LateReadingSink, plan: TransferPlan, model: torch.nn.Module
         iterate_lane=DeviceLane(cpu),
         pack_lane=DeviceLane(cpu),
         config=PipelineConfig(num_buffers=2),
+        fence=DeviceLane(cpu).record_caller(),
     )
 
 
