@@ -28,8 +28,9 @@ large tensor at the end of a round is not left to one thread after the last byte
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import torch
 
 from ._bytes import byte_view
 from ._exceptions import ApplyError, PlanMismatchError
+from ._lanes import wait_for_stream
 from ._meta import ParamMeta
 from ._plan import Bucket, Slice, TransferPlan
 
@@ -85,6 +87,12 @@ class ModelTarget:
     whole tensor), instead of being reassembled or handed over whole."""
     commit: Callable[[], None] | None = None
     """Staged only: moves the shadow copy into the model (None when unstaged)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the received parameters go (the first one's device; CPU if none)."""
+        first = next(iter(self.params.values()), None)
+        return first.device if first is not None else torch.device("cpu")
 
     @classmethod
     def resolve(
@@ -302,6 +310,35 @@ class DeferredApplier:
         """Chunked parameters being reassembled: buffer and bytes received so far."""
         self._spare: dict[int, list[torch.Tensor]] = {}
         """Reassembly buffers free for reuse, by size."""
+        self._thread = threading.local()
+        """Per apply thread: its CUDA stream (see `_on_device`)."""
+
+    @contextlib.contextmanager
+    def _on_device(self, device: torch.device) -> Iterator[None]:
+        """Run the enclosed apply on this thread's own stream of `device` (a GPU), and
+        return only once the device has done it.
+
+        Each apply thread sets its device and keeps a stream of its own, so the
+        threads' host-to-device copies run side by side instead of queuing on the
+        default stream, and kernels queued by inference on the default stream are
+        not waited for. Leaving waits (sleeping, not spinning) for everything queued
+        on that stream, a transform's asynchronous copies included: only then may
+        the receive buffer be handed back and rewritten. On the CPU: nothing.
+        """
+        if device.type != "cuda":
+            yield
+            return
+        streams: dict[torch.device, torch.cuda.Stream] = getattr(self._thread, "streams", {})
+        stream = streams.get(device)
+        if stream is None:
+            torch.cuda.set_device(device)
+            stream = streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._thread.streams = streams
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            wait_for_stream(stream)
 
     def submit(
         self,
@@ -394,10 +431,38 @@ class DeferredApplier:
         release: Callable[[], None],
     ) -> None:
         where = "?"  # the parameter(s) being worked on, for the error message
+        device = buffer.device if buffer is not None and buffer.is_cuda else target.device
         try:
             with self._lock:
                 if self._error is not None:
                     return  # the round already failed; don't pile on
+            with self._on_device(device):
+                where = self._apply_on_stream(target, buffer, whole, pieces)
+        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost
+            if isinstance(exc, _Failed):
+                where, exc = exc.where, exc.cause
+            error = ApplyError(
+                f"round {round_id}, bucket {bucket.index}: applying parameter {where} failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            with self._lock:
+                if self._error is None:
+                    self._error = error
+        finally:
+            release()
+
+    def _apply_on_stream(
+        self,
+        target: ModelTarget,
+        buffer: torch.Tensor | None,
+        whole: list[Slice],
+        pieces: list[Piece],
+    ) -> str:
+        """Land `pieces` and load `whole` slices; a failure is a `_Failed` naming
+        the parameter(s) being worked on."""
+        where = "?"
+        try:
             for piece in pieces:
                 where = repr(target.plan.params[piece.slice.param].name)
                 _land(target, buffer, piece)
@@ -431,23 +496,11 @@ class DeferredApplier:
                 with torch.no_grad():
                     for name, tensor in ready:
                         where = repr(name)
-                        target.params[name].data.copy_(tensor)
+                        target.params[name].data.copy_(tensor, non_blocking=True)
                 self._reuse(assembled)  # copied out: the next round may fill them again
-        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost
-            error = ApplyError(
-                f"round {round_id}, bucket {bucket.index}: applying parameter {where} failed: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            error.__cause__ = exc
-            with self._lock:
-                if self._error is None:
-                    self._error = error
-        finally:
-            if buffer is not None and buffer.is_cuda:
-                # Copies out of a device buffer are asynchronous: the buffer may be
-                # handed back (and rewritten) only once they have run.
-                torch.cuda.current_stream(buffer.device).synchronize()
-            release()
+        except BaseException as exc:
+            raise _Failed(where, exc) from exc
+        return where
 
     def _reassemble(
         self, index: int, nbytes: int, start: int, region: torch.Tensor
@@ -481,6 +534,15 @@ class DeferredApplier:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)
 
 
+class _Failed(Exception):
+    """An apply failure, with the parameter(s) it was working on."""
+
+    def __init__(self, where: str, cause: BaseException) -> None:
+        super().__init__(where)
+        self.where = where
+        self.cause = cause
+
+
 def _land(target: ModelTarget, buffer: torch.Tensor | None, piece: Piece) -> None:
     """Transform `piece`'s elements (if there is a transform) and put them in their
     element range of the parameter.
@@ -511,7 +573,7 @@ def _land(target: ModelTarget, buffer: torch.Tensor | None, piece: Piece) -> Non
     if _same_memory(elements, destination):
         return
     with torch.no_grad():
-        destination.copy_(elements.reshape(-1))
+        destination.copy_(elements.reshape(-1), non_blocking=True)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,14 +1,17 @@
 """Registers the backends that ship with asyncwt (imported by the package).
 
-`cuda_ipc` is registered only where CUDA is available; elsewhere asking for it
-explains why it is missing.
+Nothing here asks torch about the machine: `torch.cuda.is_available()` at import
+would initialise CUDA in every process that imports asyncwt, vLLM's included,
+and a process that forks after that hands its children a CUDA they cannot use.
+`cuda_ipc` is registered everywhere; asking for it where CUDA is missing says why.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._registry import mark_unavailable, register_trainer_engine, register_worker_engine
+from ._cuda_ipc import CudaIpcTrainerEngine, CudaIpcWorkerEngine
+from ._registry import register_trainer_engine, register_worker_engine, require
 from ._shm import ShmTrainerEngine, ShmWorkerEngine
 from ._tcp_trainer import TcpTrainerEngine
 from ._tcp_worker import TcpWorkerEngine
@@ -21,10 +24,14 @@ register_worker_engine("shm", ShmWorkerEngine)
 register_trainer_engine("torch_dist", TorchDistTrainerEngine)
 register_worker_engine("torch_dist", TorchDistWorkerEngine)
 
-if torch.cuda.is_available():
-    from ._cuda_ipc import CudaIpcTrainerEngine, CudaIpcWorkerEngine
+register_trainer_engine("cuda_ipc", CudaIpcTrainerEngine)
+register_worker_engine("cuda_ipc", CudaIpcWorkerEngine)
 
-    register_trainer_engine("cuda_ipc", CudaIpcTrainerEngine)
-    register_worker_engine("cuda_ipc", CudaIpcWorkerEngine)
-else:
-    mark_unavailable("cuda_ipc", "it needs a CUDA GPU and torch.cuda.is_available() is False here")
+
+def _cuda_missing() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    return "it needs a CUDA GPU and torch.cuda.is_available() is False here"
+
+
+require("cuda_ipc", _cuda_missing)

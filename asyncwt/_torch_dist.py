@@ -29,9 +29,11 @@ import contextlib
 import datetime
 import functools
 import logging
+import os
 import secrets
 import select
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -43,14 +45,14 @@ import torch.distributed as dist
 
 from ._applier import ModelTarget
 from ._exceptions import TransferAbortedError, TransferError, TransferTimeoutError
-from ._lanes import staging_buffer
+from ._lanes import staging_buffer, wait_for_stream
 from ._link import LinkedSender, WorkerLink, connect_link
-from ._pipeline import Settle
+from ._pipeline import Segment, Settle
 from ._plan import Bucket, Slice, TransferPlan
 from ._settings import check_positive
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._trainer import TrainerInitInfo
-from ._trainer_engine import PipelinedTrainerEngine, _default_device
+from ._trainer_engine import PipelinedTrainerEngine
 from ._transport import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
 from ._wire import Frame, FrameKind
 from ._worker_engine import DeferredWorkerEngine, ReceivePool
@@ -132,6 +134,72 @@ def _group_backend(device: torch.device) -> str:
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
+NCCL_GROUP_ENV = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+"""How asyncwt's own NCCL group handles errors, whatever the process's defaults.
+torch reads these when a group is made, for that group alone. Blocking wait: a
+`wait()` holds the host until the collective is over or the group's timeout has
+passed, then raises (torch's default only orders the caller's stream, and never
+times out). Error handling 2 (clean up only): a timed-out collective aborts the
+group's communicators without tearing the process down (torch's default kills
+the process: the trainer, or the vLLM worker that serves rollouts)."""
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the enclosed block only (one block at a time)."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _nccl_options(timeout: datetime.timedelta) -> Any:
+    """The NCCL group's options: its timeout, and a communicator whose creation can
+    time out too (non-blocking init) where this torch can say so."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    config = getattr(options, "config", None)
+    if config is not None and hasattr(config, "blocking"):
+        config.blocking = 0
+    return options
+
+
+def _new_nccl_group(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device
+) -> dist.ProcessGroup:
+    """An NCCL group on `device` (with its index), its communicator made now.
+
+    Made now, not at the first broadcast: a peer that died after READY then fails
+    the group's creation within its timeout, instead of hanging the first bucket's
+    broadcast, and NCCL's own buffers are allocated here, where an out-of-memory
+    error names the group.
+    """
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device should be a CUDA device with its index for NCCL, got {device}")
+    torch.cuda.set_device(device)
+    with _scoped_env(NCCL_GROUP_ENV):
+        group = dist.ProcessGroupNCCL(store, rank, size, _nccl_options(timeout))
+    connect = getattr(group, "eager_connect_single_device", None)
+    if connect is not None:
+        try:
+            connect(device)
+        except BaseException:
+            _release_group(group)
+            raise
+    return group
+
 
 def _new_group(
     backend: str,
@@ -149,10 +217,7 @@ def _new_group(
     """
     delta = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = delta
-        torch.cuda.set_device(device)
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        return _new_nccl_group(store, rank, size, delta, device)
     if address is None or address in _WILDCARDS:
         return dist.ProcessGroupGloo(store, rank, size, delta)
     gloo_options = dist.ProcessGroupGloo._Options()
@@ -172,7 +237,7 @@ def _store_listener(host: str, port: int) -> int:
     return listener.detach()
 
 
-def _release_group(group: dist.ProcessGroup | None) -> None:
+def _release_group(group: Any) -> None:
     """Abort `group` now, closing its connections, instead of whenever it is collected
     (a traceback that mentions it could keep it alive, and its sockets open)."""
     if group is not None:
@@ -191,24 +256,23 @@ def _start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Wor
     return group.broadcast([tensor], options)
 
 
-def _wait_all(works: list[dist.Work], device: torch.device | None = None) -> None:
+def _wait_all(works: list[dist.Work], side: torch.cuda.Stream | None = None) -> None:
     """Wait for every one of `works`, even after one fails (none may still be reading
     or writing a buffer once this returns), then raise the first failure.
 
-    `device`: the CUDA device of an NCCL group's buffers. NCCL's `wait` only makes
-    the calling thread's current stream wait for the collective, without blocking
-    the host; but a trainer's staging slot is packed again on another stream, and a
-    worker's receive buffer is read by apply threads on theirs. So the waits go to
-    a fresh side stream (not the default one, where training or inference kernels
-    may be queued), and the host waits for that stream: on return the collectives
-    are over, for every stream.
+    `side`: a stream of the NCCL group's device, kept for this (one per sender or
+    receiver, not per bucket). Without blocking wait (see `NCCL_GROUP_ENV`), NCCL's
+    `wait` only makes the calling thread's current stream wait for the collective;
+    but a trainer's staging slot is packed again on another stream, and a worker's
+    receive buffer is read by apply threads on theirs. So the waits go to `side`
+    (not the default stream, where training or inference kernels may be queued),
+    and the host sleeps until that stream is done: on return the collectives are
+    over, for every stream.
 
     Empties `works`: a traceback that keeps the list must not keep the group (and
     its sockets) alive.
     """
     first: RuntimeError | None = None
-    cuda = device is not None and device.type == "cuda"
-    side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
     try:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for work in works:
@@ -217,11 +281,18 @@ def _wait_all(works: list[dist.Work], device: torch.device | None = None) -> Non
                 except RuntimeError as exc:  # DistError is a RuntimeError
                     first = first or exc
         if side is not None:
-            side.synchronize()
+            wait_for_stream(side)
     finally:
         works.clear()
     if first is not None:
         raise first
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream an NCCL sender or receiver waits for its broadcasts on."""
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device should be a CUDA device with its index for NCCL, got {device}")
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
 def _start_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> list[dist.Work]:
@@ -300,15 +371,22 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
 class TorchDistSender(LinkedSender):
     """Headers over the link, each bucket's payload as broadcasts from rank 0."""
 
-    def __init__(self, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> None:
+    def __init__(
+        self, info: TorchDistTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> None:
         super().__init__(info.link_settings(), plan)
         self.info = info
         self.plan = plan
-        self.device = _default_device(info.device)
+        self.device = device
         self.group_backend = info.group_backend or _group_backend(self.device)
+        if self.group_backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(
+                f"group_backend is 'nccl' but the trainer's device is {self.device}; set "
+                f"device to a CUDA device, or use gloo"
+            )
         self.min_view_bytes = DIRECT_BROADCAST_BYTES if self.group_backend == "gloo" else None
-        self._collective_device = self.device if self.group_backend == "nccl" else None
-        """Where the broadcasts' buffers live when it is not the host (`_wait_all`)."""
+        self._side = _side_stream(self.device) if self.group_backend == "nccl" else None
+        """Where the host waits for the broadcasts under NCCL (`_wait_all`)."""
         self.in_flight_buckets = IN_FLIGHT_BUCKETS
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
@@ -402,7 +480,7 @@ class TorchDistSender(LinkedSender):
                 logger.warning("the torch_dist group did not form after the abort: %r", exc)
                 self.store = None
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[memoryview]) -> Settle:
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> Settle:
         """Send the header, start the bucket's broadcasts, and return without waiting
         for them: the next bucket's broadcasts start while these are on the wire."""
         header = self.links.frame(
@@ -411,9 +489,7 @@ class TorchDistSender(LinkedSender):
         staging = self.staging(slot)
         segment_of = dict(zip(bucket.slices, segments))
         payloads = [
-            torch.frombuffer(segment_of[unit.slices[0]], dtype=torch.uint8)
-            if unit.direct
-            else staging[unit.packed_range]
+            segment_of[unit.slices[0]] if unit.direct else staging[unit.packed_range]
             for unit in broadcast_units(bucket, self.min_view_bytes)
         ]
         assert self.group is not None
@@ -431,7 +507,7 @@ class TorchDistSender(LinkedSender):
 
         async def settle() -> None:
             try:
-                await anyio.to_thread.run_sync(_wait_all, works, self._collective_device)
+                await anyio.to_thread.run_sync(_wait_all, works, self._side)
             except RuntimeError as exc:
                 raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
 
@@ -458,6 +534,11 @@ class TorchDistSender(LinkedSender):
         super().close()
         self._leave_group()
         self.store = None
+        if self._side is not None and any(b is not None for b in self._staging):
+            # A cancelled round may have left kernels that read the device staging
+            # queued: free it only once the device is past them.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
         self._staging = [None] * len(self._staging)
 
 
@@ -484,15 +565,15 @@ class _Incoming:
     works: list[dist.Work]
     copied_out: list[Slice]
     """Short slices received into `buffer` that belong in the model as they are."""
-    device: torch.device | None
-    """`buffer`'s CUDA device under NCCL, else None (see `_wait_all`)."""
+    side: torch.cuda.Stream | None
+    """The receiver's side stream under NCCL, else None (see `_wait_all`)."""
 
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
     def finish(self, target: ModelTarget) -> None:
         """Wait for the broadcasts, then copy the short direct slices into place."""
-        _wait_all(self.works, self.device)
+        _wait_all(self.works, self.side)
         for s in self.copied_out:
             landing = target.landing_view(s.param)[s.start : s.end]
             torch.frombuffer(landing, dtype=torch.uint8).copy_(
@@ -502,7 +583,7 @@ class _Incoming:
     def abandon(self) -> None:
         """After a failure: wait until nothing writes into the buffer, then release it."""
         with contextlib.suppress(RuntimeError):
-            _wait_all(self.works, self.device)
+            _wait_all(self.works, self.side)
         self.release()
 
 
@@ -524,6 +605,7 @@ class TorchDistReceiver(ReceiverTransport):
         self.store: dist.Store | None = None
         self.rank = 0
         self.group: dist.ProcessGroup | None = None
+        self._side = _side_stream(device) if info.group_backend == "nccl" else None
 
     def connect(self) -> None:
         """Connect the link and take a rank in the group (which forms at the first round)."""
@@ -686,8 +768,7 @@ class TorchDistReceiver(ReceiverTransport):
             destinations.append(buffer[unit.packed_range])
             copied_out.extend(s for s in unit.slices if target.direct[s.param])
         works = _start_all(self.group, destinations)
-        device = self.device if self.info.group_backend == "nccl" else None
-        return _Incoming(bucket, buffer, release, works, copied_out, device)
+        return _Incoming(bucket, buffer, release, works, copied_out, self._side)
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None
@@ -706,8 +787,10 @@ class TorchDistTrainerEngine(PipelinedTrainerEngine[TorchDistTrainerInitInfo]):
     init_info_cls = TorchDistTrainerInitInfo
 
     @classmethod
-    def make_transport(cls, info: TorchDistTrainerInitInfo, plan: TransferPlan) -> SenderTransport:
-        return TorchDistSender(info, plan)
+    def make_transport(
+        cls, info: TorchDistTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> SenderTransport:
+        return TorchDistSender(info, plan, device)
 
 
 class TorchDistWorkerEngine(DeferredWorkerEngine):

@@ -115,9 +115,16 @@ TInitInfo = TypeVar("TInitInfo", bound=WeightTransferInitInfo)
 TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
 
 
-def _accelerator_available() -> bool:
+def _synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work; nothing to wait for on the CPU (where a
+    CPU-only torch could not synchronise anyway)."""
+    if device.type == "cpu":
+        return
     accelerator = getattr(torch, "accelerator", None)
-    return accelerator is not None and bool(accelerator.is_available())
+    if accelerator is not None:
+        accelerator.synchronize(device)
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
@@ -202,12 +209,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse `update_info` and receive the weights it announces.
 
-        Without `defers_processing`, the device is synchronised before returning (only
-        when an accelerator exists: a CPU-only torch cannot synchronise).
+        Without `defers_processing`, the engine's device is synchronised before
+        returning (not the thread's current device: they may differ).
         """
         self.receive_weights(self.parse_update_info(update_info))
-        if not self.defers_processing and _accelerator_available():
-            torch.accelerator.synchronize()
+        if not self.defers_processing:
+            _synchronize(self.device)
 
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo) -> None:

@@ -37,7 +37,13 @@ logger = logging.getLogger("asyncwt")
 
 
 class ReceivePool:
-    """`count` bucket-sized receive buffers; a buffer is reused only once released."""
+    """`count` bucket-sized receive buffers; a buffer is reused only once released.
+
+    Device buffers are allocated at once (during init): on a GPU that serves
+    inference the memory left after the server's own reservation may be short,
+    and that should fail the init, saying how much was asked for, not a round.
+    Host buffers come on first use.
+    """
 
     def __init__(
         self, count: int, nbytes: int, device: torch.device, timeout: float, *, on_device: bool
@@ -50,6 +56,17 @@ class ReceivePool:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(count):
             self._free.put(slot)
+        if on_device:
+            try:
+                while len(self._buffers) < count:
+                    self._buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+            except torch.OutOfMemoryError as exc:
+                self._buffers = []
+                raise TransferError(
+                    f"the receive buffers ({count} x {nbytes} bytes) do not fit on {device}: "
+                    f"lower bucket_bytes or num_buffers on the trainer, or leave the worker "
+                    f"more device memory ({exc})"
+                ) from None
 
     def take(self) -> tuple[torch.Tensor, Any]:
         """A free buffer and the function that releases it (blocks while none is free)."""

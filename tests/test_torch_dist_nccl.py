@@ -60,7 +60,7 @@ def test_waiting_for_device_collectives_blocks_the_host_until_they_are_over() ->
     collective is over on the device."""
     device = torch.device("cuda", torch.cuda.current_device())
     producer = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    for wait_for, over_on_return in ((None, False), (device, True)):
+    for wait_for, over_on_return in ((None, False), (_torch_dist._side_stream(device), True)):
         with torch.cuda.stream(producer):
             torch.cuda._sleep(1 << 30)  # type: ignore[attr-defined] # a collective still running
         _torch_dist._wait_all([_StreamOnlyWork(producer, device)], wait_for)  # type: ignore[list-item]

@@ -58,6 +58,7 @@ def _receiver(plan: TransferPlan, pool: ReceivePool) -> _torch_dist.TorchDistRec
     receiver.pool = pool
     receiver.group = object()  # type: ignore[assignment]
     receiver.store = object()  # type: ignore[assignment]
+    receiver._side = None  # gloo: no device stream to wait on
     return receiver
 
 

@@ -263,17 +263,22 @@ def test_update_weights_does_not_synchronize_without_an_accelerator(
     assert sync_calls == []
 
 
-def test_update_weights_synchronizes_after_receiving_when_an_accelerator_exists(
+def test_update_weights_synchronizes_the_engines_device_after_receiving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     events: list[str] = []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: events.append("sync"))
-    engine = _engine(events=events)
+    monkeypatch.setattr(
+        torch.accelerator, "synchronize", lambda device=None: events.append(f"sync {device}")
+    )
+    engine = _RecordingEngine(
+        WeightTransferConfig(), None, torch.device("cuda", 1), torch.nn.Linear(2, 2), events=events
+    )
 
     engine.update_weights({"names": ["a"]})
 
-    assert events == ["receive", "sync"]
+    # Its own GPU, not the thread's current one (an apply or RPC thread sits on GPU 0).
+    assert events == ["receive", "sync cuda:1"]
 
 
 def test_update_weights_with_deferred_processing_does_not_synchronize(
