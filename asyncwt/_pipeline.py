@@ -88,9 +88,10 @@ class BucketSink(Protocol):
     async def send_bucket(
         self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Deliver `bucket`'s payload, one segment per slice. `None`: the segments may be reused now. A
-        `Settle`: they stay valid (their slot held, their tensors alive) until it
-        returns; the pipeline awaits it before more than `in_flight_buckets` are out."""
+        """Deliver `bucket`'s payload, one segment per slice. `None`: the segments
+        may be reused now. A `Settle`: they stay valid (their slot held, their
+        tensors alive) until it returns; the pipeline awaits it before more than
+        `in_flight_buckets` are out."""
         ...
 
 
