@@ -23,7 +23,7 @@ class Staging(nn.Module):
         super().__init__()
 
         def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=dtype, device=device)
 
         self.big = nn.Parameter(zeros(24 << 20))  # 96 MiB: six buckets
         self.wbf = nn.Parameter(zeros(4096, 4096, dtype=torch.bfloat16))  # 32 MiB
