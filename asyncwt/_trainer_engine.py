@@ -7,6 +7,7 @@ builds its `SenderTransport`; the rest is here, written once.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from abc import abstractmethod
 from typing import Any, ClassVar, TypeVar
@@ -17,7 +18,7 @@ import anyio.to_thread
 import torch
 from typing_extensions import Self
 
-from ._client import AnyWeightSyncClient, call_client
+from ._client import AnyWeightSyncClient, call_client, round_keywords
 from ._concurrency import single_error
 from ._exceptions import ControlPlaneError
 from ._lanes import DeviceLane
@@ -37,7 +38,7 @@ TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
 
 
 async def bounded_call(
-    client: object, method: str, *args: Any, timeout: float, where: str
+    client: object, method: str, *args: Any, timeout: float, where: str, **kwargs: Any
 ) -> None:
     """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
 
@@ -45,7 +46,7 @@ async def bounded_call(
     background (its result is dropped), so the caller never waits past `timeout`.
     """
     with anyio.move_on_after(timeout) as scope:
-        await call_client(client, method, *args)
+        await call_client(client, method, *args, **kwargs)
     if scope.cancelled_caught:
         raise ControlPlaneError(
             f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
@@ -97,6 +98,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
         self.transport: SenderTransport | None = None
+        self.trainer_id = secrets.token_hex(16)
+        """This engine's id, sent to the workers at init and with every round: a worker
+        refuses rounds of any other trainer (a stale one, or a stranger)."""
         self._rounds = 0
         self._busy = False
         self._closed = False
@@ -142,7 +146,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         engine = cls(init_info, client=client, source=source, plan=plan)
         if init_info.is_sender:
             transport = cls.make_transport(init_info, plan)
-            fields = {"plan": plan.to_wire(), **settings.worker_fields()}
+            fields = {
+                "plan": plan.to_wire(),
+                **settings.worker_fields(),
+                "trainer_id": engine.trainer_id,
+            }
 
             async def init_workers(init_info: dict[str, Any]) -> None:
                 await bounded_call(
@@ -186,7 +194,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
         if self._busy:
-            raise RuntimeError("send_weights is already running on this engine; rounds cannot overlap")
+            raise RuntimeError(
+                "send_weights is already running on this engine; rounds cannot overlap"
+            )
         self._busy = True
         self._rounds += 1
         round_id = self._rounds
@@ -216,7 +226,17 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         """
         rpc_timeout = self.info.rpc_timeout
         where = f"round {round_id}"
-        update_info = {"round_id": round_id, "plan_digest": self.plan.digest}
+        update_info = {
+            "round_id": round_id,
+            "plan_digest": self.plan.digest,
+            "trainer_id": self.trainer_id,
+        }
+        start_ids = round_keywords(
+            self.client, "start_weight_update", round_id=round_id, trainer_id=self.trainer_id
+        )
+        finish_ids = round_keywords(
+            self.client, "finish_weight_update", round_id=round_id, trainer_id=self.trainer_id
+        )
         failed = False
         update_started = False
         update_done = anyio.Event()
@@ -235,7 +255,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         async def open_round(tg: anyio.abc.TaskGroup) -> None:
             nonlocal update_started
-            await bounded_call(self.client, "start_weight_update", timeout=rpc_timeout, where=where)
+            await bounded_call(
+                self.client, "start_weight_update", timeout=rpc_timeout, where=where, **start_ids
+            )
             tg.start_soon(update_rpc)
             update_started = True
             await transport.begin_round(round_id)
@@ -282,7 +304,12 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                         f"broke)"
                     )
         await bounded_call(
-            self.client, "finish_weight_update", weight_version, timeout=rpc_timeout, where=where
+            self.client,
+            "finish_weight_update",
+            weight_version,
+            timeout=rpc_timeout,
+            where=where,
+            **finish_ids,
         )
         return busy
 
