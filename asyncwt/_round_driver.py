@@ -148,6 +148,7 @@ class RoundDriver:
         ticket = self.state.begin_update(
             round_id=_optional_int(parsed, "round_id"),
             trainer_id=_optional_str(parsed, "trainer_id"),
+            carries_ids=hasattr(parsed, "round_id") and hasattr(parsed, "trainer_id"),
         )
         try:
             await _in_thread(functools.partial(engine.update_weights, update_info))

@@ -128,14 +128,19 @@ class RoundState:
         """The engine's start failed: the round can never publish."""
         round_.error = round_.error or f"start_weight_update failed: {error}"
 
-    def begin_update(self, *, round_id: int | None, trainer_id: str | None) -> UpdateTicket:
+    def begin_update(
+        self, *, round_id: int | None, trainer_id: str | None, carries_ids: bool = False
+    ) -> UpdateTicket:
         """Admit an update into the open round.
 
-        `round_id` is the update's round id, or None where the engine's updates carry
-        none (then the update joins whatever round is open).
+        `carries_ids`: the engine's update infos name their round and trainer (asyncwt's
+        do), so one that names none (None) is checked as naming none: it cannot join a
+        round started with an id, nor a worker initialised with a trainer id. A round
+        takes one update per round id (a second is a replay). Without `carries_ids`
+        an update that names nothing joins whatever round is open.
         """
         what = "update_weights" + (f" for round {round_id}" if round_id is not None else "")
-        self._check_trainer(what, trainer_id)
+        self._check_trainer(what, trainer_id, required=carries_ids)
         current = self.open_round
         if current is None:
             raise RoundConflictError(
@@ -149,19 +154,25 @@ class RoundState:
                 f"a new round"
             )
         bound, previous = False, self._last_round_id
-        if round_id is not None and current.round_id != round_id:
-            if current.round_id is not None:
+        if round_id is not None or carries_ids:
+            if current.round_id is not None and round_id != current.round_id:
                 raise RoundConflictError(
                     f"{what} refused: the open round is {current.round_id} (a late update "
                     f"of an abandoned round, or another trainer's); {current.name} is not "
                     f"disturbed"
                 )
-            if round_id <= self._last_round_id:
+            if round_id is not None and (current.updates or current.in_flight):
                 raise RoundConflictError(
-                    f"{what} refused: round ids should increase, and round "
-                    f"{self._last_round_id} already started (a late or replayed update)"
+                    f"{what} refused: {current.name} already received its update_weights "
+                    f"(a replayed update)"
                 )
-            current.round_id, self._last_round_id, bound = round_id, round_id, True
+            if current.round_id is None and round_id is not None:
+                if round_id <= self._last_round_id:
+                    raise RoundConflictError(
+                        f"{what} refused: round ids should increase, and round "
+                        f"{self._last_round_id} already started (a late or replayed update)"
+                    )
+                current.round_id, self._last_round_id, bound = round_id, round_id, True
         current.in_flight += 1
         return UpdateTicket(current, bound, previous)
 
@@ -199,6 +210,13 @@ class RoundState:
                 f"{what} refused: {current.name} was started with its round id, and a "
                 f"finish that does not name it cannot close it"
             )
+        if current.trainer_id is not None and not hmac.compare_digest(
+            (trainer_id or "").encode(), current.trainer_id.encode()
+        ):
+            raise RoundConflictError(
+                f"{what} refused: {current.name} was started by its trainer, and a finish "
+                f"that does not name that trainer cannot close it; nothing is published"
+            )
         if current.finishing:
             raise RoundConflictError(f"{what} refused: {current.name} is finishing already")
         if current.in_flight:
@@ -226,11 +244,12 @@ class RoundState:
         self.weights_incomplete = False
         return None
 
-    def _check_trainer(self, what: str, trainer_id: str | None) -> None:
+    def _check_trainer(self, what: str, trainer_id: str | None, *, required: bool = False) -> None:
+        """Refuse a call naming another trainer than the init did (or, `required`, none)."""
         expected = self.trainer_id
-        if trainer_id is None or expected is None:
+        if expected is None or (trainer_id is None and not required):
             return
-        if not hmac.compare_digest(trainer_id.encode(), expected.encode()):
+        if not hmac.compare_digest((trainer_id or "").encode(), expected.encode()):
             raise RoundConflictError(
                 f"{what} refused: it names a trainer other than the one this worker was "
                 f"initialised with (a stale trainer, or a stranger); run trainer_init to "
