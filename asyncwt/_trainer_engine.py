@@ -231,12 +231,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             "plan_digest": self.plan.digest,
             "trainer_id": self.trainer_id,
         }
-        start_ids = round_keywords(
-            self.client, "start_weight_update", round_id=round_id, trainer_id=self.trainer_id
-        )
-        finish_ids = round_keywords(
-            self.client, "finish_weight_update", round_id=round_id, trainer_id=self.trainer_id
-        )
+        # The round's ids go to start and finish both, or to neither: a round started
+        # with its ids can only be closed by a finish naming them.
+        ids = {"round_id": round_id, "trainer_id": self.trainer_id}
+        start_ids = round_keywords(self.client, "start_weight_update", **ids)
+        finish_ids = round_keywords(self.client, "finish_weight_update", **ids)
+        if start_ids != ids or finish_ids != ids:
+            start_ids = finish_ids = {}
         failed = False
         update_started = False
         update_done = anyio.Event()
