@@ -22,6 +22,7 @@ from ._exceptions import AuthenticationError as AuthenticationError
 from ._exceptions import ControlPlaneError as ControlPlaneError
 from ._exceptions import PlanMismatchError as PlanMismatchError
 from ._exceptions import ProtocolError as ProtocolError
+from ._exceptions import RoundConflictError as RoundConflictError
 from ._exceptions import SourceMismatchError as SourceMismatchError
 from ._exceptions import StaleRoundError as StaleRoundError
 from ._exceptions import TransferAbortedError as TransferAbortedError
@@ -78,6 +79,7 @@ __all__ = [
     "PlanMismatchError",
     "ProtocolError",
     "Replicate",
+    "RoundConflictError",
     "RoundStats",
     "RoundUpdateInfo",
     "Shard",

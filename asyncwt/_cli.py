@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ import anyio
 import torch
 
 from ._concurrency import unwrap_group
-from ._server import format_url, serve
+from ._server import API_KEY_ENV, check_api_key, format_url, serve
 from ._worker import WeightTransferConfig
 
 if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
@@ -63,6 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     worker.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    worker.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=(
+            f"require 'Authorization: Bearer KEY' on every route (default: ${API_KEY_ENV}); "
+            "required unless --host is loopback"
+        ),
+    )
     worker.add_argument(
         "--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)"
     )
@@ -163,6 +173,12 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         )
     except ValueError as exc:
         parser.error(str(exc))
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        check_api_key(api_key, args.host)
+    except ValueError as exc:
+        print(f"asyncwt worker: error: {exc}", file=sys.stderr)
+        return 1
     model = _build_model(args.model, parser)
     try:
         anyio.run(
@@ -171,6 +187,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             config,
             args.host,
             args.port,
+            api_key,
             backend="asyncio",
             backend_options={"use_uvloop": _uvloop_installed()},
         )
@@ -215,7 +232,11 @@ def _uvloop_installed() -> bool:
 
 
 async def _serve_until_signal(
-    model: torch.nn.Module, config: WeightTransferConfig, host: str, port: int
+    model: torch.nn.Module,
+    config: WeightTransferConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then stop cleanly."""
 
@@ -225,7 +246,15 @@ async def _serve_until_signal(
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                functools.partial(serve, model, config=config, host=host, port=port, ready=ready)
+                functools.partial(
+                    serve,
+                    model,
+                    config=config,
+                    host=host,
+                    port=port,
+                    ready=ready,
+                    api_key=api_key,
+                )
             )
             async for signum in signals:
                 logger.info("received %s, stopping", signal.Signals(signum).name)

@@ -13,6 +13,7 @@ __all__ = [
     "VLLMWeightSyncClient",
     "WeightTransferUpdatePayload",
     "call_client",
+    "round_keywords",
 ]
 
 WeightTransferUpdatePayload = dict[str, Any]
@@ -74,8 +75,31 @@ def check_client(client: object) -> None:
         )
 
 
-async def call_client(client: object, method: str, *args: Any) -> None:
-    """Call `client.method(*args)`: awaited if it is a coroutine function, else in a thread.
+def round_keywords(client: object, method: str, **ids: object) -> dict[str, object]:
+    """The round-identity keywords (`round_id`, `trainer_id`) that `client.method` takes.
+
+    vLLM's protocol methods take none; asyncwt's clients accept them optionally, so
+    that the worker can tie `start_weight_update` and `finish_weight_update` to one
+    round of one trainer. A client that takes none gets none (and the worker ties
+    the round by its update infos alone).
+    """
+    try:
+        parameters = inspect.signature(getattr(client, method)).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(ids)
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {
+        name: value
+        for name, value in ids.items()
+        if name in parameters and parameters[name].kind in keyword
+    }
+
+
+async def call_client(client: object, method: str, *args: Any, **kwargs: Any) -> None:
+    """Call `client.method(*args, **kwargs)`: awaited if it is a coroutine function, else
+    in a thread.
 
     A synchronous client call may block for a whole round (`update_weights` returns
     when the worker has received everything), so it must never run on the loop.
@@ -86,8 +110,10 @@ async def call_client(client: object, method: str, *args: Any) -> None:
     """
     bound = getattr(client, method)
     if inspect.iscoroutinefunction(bound):
-        await bound(*args)
+        await bound(*args, **kwargs)
         return
-    result = await anyio.to_thread.run_sync(functools.partial(bound, *args), abandon_on_cancel=True)
+    result = await anyio.to_thread.run_sync(
+        functools.partial(bound, *args, **kwargs), abandon_on_cancel=True
+    )
     if inspect.isawaitable(result):
         await result

@@ -4,6 +4,7 @@ Hierarchy::
 
     AsyncwtError
     ├── PlanMismatchError      trainer and worker derived different transfer plans
+    ├── RoundConflictError     a control call out of order, or for another round or trainer
     ├── SourceMismatchError    the weight source yielded something the plan did not expect
     ├── TransferError          the data plane failed
     │   ├── AuthenticationError    a peer failed the token challenge
@@ -26,6 +27,7 @@ __all__ = [
     "ControlPlaneError",
     "PlanMismatchError",
     "ProtocolError",
+    "RoundConflictError",
     "SourceMismatchError",
     "StaleRoundError",
     "TransferAbortedError",
@@ -45,6 +47,13 @@ class PlanMismatchError(AsyncwtError, ValueError):
 
 class StaleRoundError(AsyncwtError, ValueError):
     """A round id that does not follow the last one: a replayed or reordered round."""
+
+
+class RoundConflictError(AsyncwtError):
+    """A control call the worker's round state refuses: out of order (a finish with no
+    round open, an update before its start), for another round (a late update of an
+    abandoned round), or from a trainer other than the one the worker was initialised
+    with. The worker's state is unchanged."""
 
 
 class SourceMismatchError(AsyncwtError):

@@ -37,6 +37,8 @@ class HttpClient:
         base_urls: `http://host:port` of each worker (a trailing `/` is ignored).
         timeout: seconds a single call may take in all; `update_weights` lasts a
             whole round, so keep it generous.
+        api_key: the workers' API key (`asyncwt worker --api-key`), sent with every
+            request as `Authorization: Bearer <api_key>`; None sends none.
 
     Raises:
         ControlPlaneError: from every call, when a worker answers non-2xx (the
@@ -44,7 +46,13 @@ class HttpClient:
             reached.
     """
 
-    def __init__(self, base_urls: str | Sequence[str], *, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        *,
+        timeout: float = 300.0,
+        api_key: str | None = None,
+    ) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("base_urls should name at least one worker URL, got none")
@@ -53,13 +61,20 @@ class HttpClient:
                 raise ValueError(f"base_urls should be http(s):// URLs, got {url!r}")
         if not timeout > 0:
             raise ValueError(f"timeout should be > 0 seconds, got {timeout!r}")
+        if api_key is not None and (
+            not isinstance(api_key, str) or not api_key or not api_key.isprintable()
+        ):
+            raise ValueError("api_key should be a non-empty printable str or None")
         self.base_urls: tuple[str, ...] = tuple(url.rstrip("/") for url in urls)
         self.timeout = timeout
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout), headers=self._headers
+            )
         return self._session
 
     async def _request(self, method: str, base_url: str, route: str, body: Any) -> Any:
@@ -94,12 +109,17 @@ class HttpClient:
         """
         await self._post_all("/init_weight_transfer_engine", {"init_info": init_info})
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(
+        self, *, round_id: int | None = None, trainer_id: str | None = None
+    ) -> None:
         """POST `/start_weight_update` to every worker.
+
+        `round_id` and `trainer_id` (optional; the trainer engine sends them) name the
+        round: a worker then refuses updates and finishes of any other round.
 
         Cancellation: the requests are abandoned; a worker may still start the round.
         """
-        await self._post_all("/start_weight_update", {})
+        await self._post_all("/start_weight_update", _round_body(round_id, trainer_id))
 
     async def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         """POST `/update_weights` to every worker; returns when all received the round.
@@ -109,12 +129,22 @@ class HttpClient:
         """
         await self._post_all("/update_weights", {"update_info": update_info})
 
-    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+    async def finish_weight_update(
+        self,
+        weight_version: str | None = None,
+        *,
+        round_id: int | None = None,
+        trainer_id: str | None = None,
+    ) -> None:
         """POST `/finish_weight_update`: every worker drains and publishes `weight_version`.
+
+        `round_id` and `trainer_id` (optional) name the round to close: a worker
+        refuses (409) a finish for any round but the one open.
 
         Cancellation: the requests are abandoned; workers may still publish.
         """
-        await self._post_all("/finish_weight_update", {"weight_version": weight_version})
+        body = {"weight_version": weight_version, **_round_body(round_id, trainer_id)}
+        await self._post_all("/finish_weight_update", body)
 
     async def shutdown(self) -> None:
         """POST `/shutdown_weight_transfer_engine`: release every worker's transport.
@@ -166,6 +196,15 @@ class HttpClient:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def _round_body(round_id: int | None, trainer_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if round_id is not None:
+        body["round_id"] = round_id
+    if trainer_id is not None:
+        body["trainer_id"] = trainer_id
+    return body
 
 
 async def _error_detail(response: aiohttp.ClientResponse) -> str:

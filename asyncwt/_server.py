@@ -2,18 +2,29 @@
 
 Routes (every answer is JSON; an error is `{"error": message}`, never a stack trace):
 
-    POST /init_weight_transfer_engine  {"init_info": {...}}          200 | 400 | 409 | 500
-    POST /start_weight_update          {}                            200 | 400 | 409 | 500
-    POST /update_weights               {"update_info": {...}}        200 | 400 | 409 | 500
-    POST /finish_weight_update         {"weight_version": str|null}  200 | 400 | 409 | 500
-    POST /shutdown_weight_transfer_engine  {}                        200 | 400 | 500
+    POST /init_weight_transfer_engine  {"init_info": {...}}                  200 | 400 | 409 | 500
+    POST /start_weight_update          {"round_id"?, "trainer_id"?}          200 | 400 | 409 | 500
+    POST /update_weights               {"update_info": {...}}                200 | 400 | 409 | 500
+    POST /finish_weight_update         {"weight_version": str|null,
+                                        "round_id"?, "trainer_id"?}          200 | 400 | 409 | 500
+    POST /shutdown_weight_transfer_engine  {}                                200 | 400 | 500
     GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
                                "backend", "initialized"}
+
+Rounds follow `RoundState` (see `_rounds.py`): a version is published only by the
+finish that closes the round its start opened, once every update and the drain of
+that round succeeded. The optional `round_id` and `trainer_id` (the trainer engine
+sends them) tie start and finish to the round and trainer the update infos name.
+
+With an API key (`build_app(api_key=...)`, `asyncwt worker --api-key`) every
+request must carry `Authorization: Bearer <key>`, else it is answered 401.
 
 400: the body cannot be read (cut short, or not in its Content-Encoding), is not a
 JSON object, has unknown keys or values of the wrong type, or the engine rejected the
 info (`ValueError`/`TypeError` from `parse_*_info`). 409: the call needs an
-initialised transfer engine (init it first). 413: the body is larger than
+initialised transfer engine (init it first), or the round state refuses it
+(`RoundConflictError`: out of order, for another round, from another trainer), or
+the engine does (`PlanMismatchError`, `StaleRoundError`). 413: the body is larger than
 `max_body_bytes`. 500: the engine failed (`"<ExceptionType>: message"`; the traceback
 goes to the server log). An unknown route or method is a JSON 404 or 405.
 
@@ -27,8 +38,11 @@ model).
 from __future__ import annotations
 
 import functools
+import hmac
+import ipaddress
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -38,12 +52,13 @@ import torch
 from aiohttp import web
 
 from ._checksum import model_checksum
-from ._exceptions import AsyncwtError, PlanMismatchError, StaleRoundError
-from ._local_client import finish_engine_round
+from ._exceptions import AsyncwtError, PlanMismatchError, RoundConflictError, StaleRoundError
 from ._registry import create_worker_engine
+from ._round_driver import InvalidInfoError, RoundDriver
+from ._settings import MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
 from ._worker import WeightTransferConfig, WeightTransferEngine
 
-__all__ = ["build_app", "format_url", "serve"]
+__all__ = ["API_KEY_ENV", "build_app", "check_api_key", "format_url", "is_loopback", "serve"]
 
 logger = logging.getLogger("asyncwt.server")
 
@@ -59,66 +74,6 @@ class _ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-class _Worker:
-    """The server's state: the model, its engine, and whether the engine is initialised.
-
-    The engine is built here, when the app is built, so that a bad backend or device
-    fails the server at start instead of at the trainer's first call. After
-    `/shutdown_weight_transfer_engine` it is dropped; the next init builds a new one.
-    """
-
-    def __init__(self, model: torch.nn.Module, config: WeightTransferConfig, device: Any) -> None:
-        self.model = model
-        self.config = config
-        self.device = device
-        self.engine: Engine | None = self.create_engine()
-        self.initialized = False
-        self.init_lock = anyio.Lock()  # one init at a time
-        self._version_at_shutdown: str | None = None
-        self._incomplete_at_shutdown = False
-
-    @property
-    def weights_incomplete(self) -> bool:
-        """Whether a failed round left the model's weights half-updated."""
-        if self.engine is None:
-            return self._incomplete_at_shutdown
-        return bool(getattr(self.engine, "weights_incomplete", False))
-
-    @property
-    def weight_version(self) -> str | None:
-        """The engine's published version, else the one published before the last shutdown.
-
-        The model keeps its weights across an engine shutdown, so their version holds
-        until a new engine publishes one.
-        """
-        version: str | None = getattr(self.engine, "weight_version", None)
-        return self._version_at_shutdown if version is None else version
-
-    async def shut_down_engine(self) -> None:
-        """Shut the engine down (in a thread) and drop it; the next init builds a new one.
-
-        Takes no lock on purpose: a shutdown must reach an engine stuck in its init.
-        """
-        self._version_at_shutdown = self.weight_version
-        self._incomplete_at_shutdown = self.weights_incomplete
-        engine, self.engine, self.initialized = self.engine, None, False
-        if engine is not None:
-            await _in_thread(engine.shutdown)
-
-    def create_engine(self) -> Engine:
-        return create_worker_engine(self.config, model=self.model, device=self.device)
-
-    def ready_engine(self, route: str) -> Engine:
-        """The initialised engine, or a 409 saying to init first."""
-        if self.engine is None or not self.initialized:
-            raise _ApiError(
-                409,
-                f"{route} needs an initialised transfer engine: "
-                "POST /init_weight_transfer_engine first",
-            )
-        return self.engine
 
 
 async def _in_thread(fn: Callable[[], T]) -> T:
@@ -173,82 +128,89 @@ def _object_field(body: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-async def _parse(fn: Callable[[], T]) -> T:
-    """Run an engine's `parse_*_info`; its `ValueError`/`TypeError` becomes a 400."""
-    try:
-        return await _in_thread(fn)
-    except (ValueError, TypeError) as exc:
-        raise _ApiError(400, str(exc)) from None
-
-
 def _ok() -> web.Response:
     return web.json_response({"ok": True})
 
 
-def _routes(worker: _Worker) -> web.RouteTableDef:
+def _round_field(body: dict[str, Any]) -> int | None:
+    value = body.get("round_id")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ROUND_ID:
+        raise _ApiError(
+            400, f"round_id should be an integer in [1, {MAX_ROUND_ID}] or null, got {value!r}"
+        )
+    return value
+
+
+def _trainer_field(body: dict[str, Any]) -> str | None:
+    value = body.get("trainer_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRAINER_ID_CHARS:
+        raise _ApiError(
+            400,
+            f"trainer_id should be a string of 1-{MAX_TRAINER_ID_CHARS} characters or null, "
+            f"got a JSON {_json_kind(value)}",
+        )
+    return value
+
+
+_ROUND_KEYS = frozenset({"round_id", "trainer_id"})
+
+
+def _routes(
+    worker: RoundDriver, model: torch.nn.Module, config: WeightTransferConfig
+) -> web.RouteTableDef:
     routes = web.RouteTableDef()
 
     @routes.post("/init_weight_transfer_engine")
     async def init(request: web.Request) -> web.Response:
         init_info = _object_field(await _read_body(request, frozenset({"init_info"})), "init_info")
-        async with worker.init_lock:
-            # A second init re-initialises the same engine: that is how a new
-            # trainer_init reconnects after a trainer restart.
-            if worker.engine is None:
-                worker.engine = await _in_thread(worker.create_engine)
-            engine = worker.engine
-            parsed = await _parse(functools.partial(engine.parse_init_info, init_info))
-            await _in_thread(functools.partial(engine.init_transfer_engine, parsed))
-            if worker.engine is not engine:
-                raise _ApiError(409, "the transfer engine was shut down during its init")
-            worker.initialized = True
+        # A second init re-initialises the same engine: that is how a new
+        # trainer_init reconnects after a trainer restart.
+        await worker.init(init_info)
         return _ok()
 
     @routes.post("/start_weight_update")
     async def start(request: web.Request) -> web.Response:
-        await _read_body(request, frozenset())
-        engine = worker.ready_engine("start_weight_update")
-        await _in_thread(engine.start_weight_update)
+        body = await _read_body(request, _ROUND_KEYS)
+        await worker.start(round_id=_round_field(body), trainer_id=_trainer_field(body))
         return _ok()
 
     @routes.post("/update_weights")
     async def update(request: web.Request) -> web.Response:
         body = await _read_body(request, frozenset({"update_info"}))
-        update_info = _object_field(body, "update_info")
-        engine = worker.ready_engine("update_weights")
-        # Parse once up front so a bad info is a 400, not an engine failure (500).
-        await _parse(functools.partial(engine.parse_update_info, update_info))
-        await _in_thread(functools.partial(engine.update_weights, update_info))
+        await worker.update(_object_field(body, "update_info"))
         return _ok()
 
     @routes.post("/finish_weight_update")
     async def finish(request: web.Request) -> web.Response:
-        body = await _read_body(request, frozenset({"weight_version"}))
+        body = await _read_body(request, frozenset({"weight_version"}) | _ROUND_KEYS)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise _ApiError(
                 400, f"weight_version should be a string or null, got a JSON {_json_kind(version)}"
             )
-        engine = worker.ready_engine("finish_weight_update")
-        await _in_thread(functools.partial(finish_engine_round, engine, version))
+        await worker.finish(version, round_id=_round_field(body), trainer_id=_trainer_field(body))
         return _ok()
 
     @routes.post("/shutdown_weight_transfer_engine")
     async def shutdown(request: web.Request) -> web.Response:
         await _read_body(request, frozenset())
-        await worker.shut_down_engine()
+        await worker.shutdown(drop=True)
         return _ok()
 
     @routes.get("/weights_status")
     async def status(request: web.Request) -> web.Response:
-        checksum = await _in_thread(functools.partial(model_checksum, worker.model))
+        checksum = await _in_thread(functools.partial(model_checksum, model))
         return web.json_response(
             {
-                "weight_version": worker.weight_version,
+                "weight_version": worker.state.weight_version,
                 "weights_incomplete": worker.weights_incomplete,
                 "checksum": checksum,
-                "backend": worker.config.backend,
-                "initialized": worker.initialized,
+                "backend": config.backend,
+                "initialized": worker.state.initialized,
             }
         )
 
@@ -262,11 +224,17 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return await handler(request)
     except _ApiError as exc:
         return web.json_response({"error": exc.message}, status=exc.status)
+    except InvalidInfoError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return web.json_response({"error": exc.reason}, status=exc.status, headers=allow)
+    except RoundConflictError as exc:
+        # Out of order, for another round, or from another trainer: nothing changed.
+        logger.warning("%s %s refused: %s", request.method, request.path, exc)
+        return web.json_response({"error": str(exc)}, status=409)
     except (PlanMismatchError, StaleRoundError) as exc:
         # The request disagrees with the worker's state (its model, its last round).
         logger.warning(
@@ -290,12 +258,78 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 plan (a name, dtype and shape per parameter): a few MiB for the largest models."""
 
 
+API_KEY_ENV = "ASYNCWT_API_KEY"
+"""The environment variable `asyncwt worker` reads its API key from (as `--api-key`)."""
+
+
+def _auth_middleware(
+    api_key: str,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Every request, the status route and unknown routes included, must carry
+    `Authorization: Bearer <api_key>`; compared in constant time. Else a JSON 401."""
+    expected = api_key.encode()
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(errors="replace"), expected
+        ):
+            logger.warning("%s %s refused: no valid API key", request.method, request.path)
+            return web.json_response(
+                {
+                    "error": "this worker requires an API key: send 'Authorization: Bearer "
+                    "<key>' with the key the worker was started with (--api-key or "
+                    f"{API_KEY_ENV}); HttpClient(..., api_key=KEY) does"
+                },
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return authenticate
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only loopback addresses (`127.0.0.1`, `::1`, `localhost`)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos
+    )
+
+
+def check_api_key(api_key: str | None, host: str) -> str | None:
+    """The API key to require (None: none), or a `ValueError` for a key that cannot be
+    used, or for a `host` beyond loopback with no key: its routes would be open to
+    every host that reaches it."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError(f"api_key should be a non-empty str or None, got {api_key!r}")
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isprintable()):
+        raise ValueError("api_key should be printable, without leading or trailing spaces")
+    if api_key is None and not is_loopback(host):
+        raise ValueError(
+            f"refusing to serve on {host!r} without an API key: beyond loopback anyone who "
+            f"reaches the port could re-init the worker and push weights. Pass --api-key KEY "
+            f"or set {API_KEY_ENV} (serve(api_key=...)), and give the trainer "
+            f"HttpClient(..., api_key=KEY)"
+        )
+    return api_key
+
+
 def build_app(
     model: torch.nn.Module,
     *,
     config: WeightTransferConfig,
     device: torch.device | str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model` through the engine `config` names.
 
@@ -306,14 +340,23 @@ def build_app(
     fail out instead of holding the server open.
 
     A request body larger than `max_body_bytes` is refused with a JSON 413 before it
-    is parsed.
+    is parsed. With an `api_key`, every request (`GET /weights_status` too) must
+    carry `Authorization: Bearer <api_key>`, else it is answered 401.
     """
-    worker = _Worker(model, config, device)
-    app = web.Application(middlewares=[_json_errors], client_max_size=max_body_bytes)
-    app.add_routes(_routes(worker))
+    key = check_api_key(api_key, "127.0.0.1")
+
+    def create() -> Engine:
+        return create_worker_engine(config, model=model, device=device)
+
+    worker = RoundDriver(create(), create=create)
+    middlewares: list[Any] = [_json_errors]
+    if key is not None:
+        middlewares.append(_auth_middleware(key))
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app.add_routes(_routes(worker, model, config))
 
     async def on_shutdown(app: web.Application) -> None:
-        await worker.shut_down_engine()
+        await worker.shutdown(drop=True)
 
     app.on_shutdown.append(on_shutdown)
     return app
@@ -333,17 +376,21 @@ async def serve(
     device: torch.device | str | None = None,
     ready: Callable[[str, int], object] | None = None,
     shutdown_timeout: float = 5.0,
+    api_key: str | None = None,
 ) -> None:
     """Serve `model` (see `build_app`) on `host:port` until cancelled.
 
-    Binds 127.0.0.1 by default: the routes are unauthenticated, so expose them
-    beyond the host only on a trusted network. `port=0` picks a free port; `ready`
-    is called with the bound host and port once the server accepts connections.
+    Binds 127.0.0.1 by default. With `api_key` every request must carry
+    `Authorization: Bearer <api_key>` (else 401); a `host` beyond loopback without
+    one is a `ValueError`, raised before anything is bound. `port=0` picks a free
+    port; `ready` is called with the bound host and port once the server accepts
+    connections.
 
     Cancellation: stops accepting, shuts the engine down, waits up to
     `shutdown_timeout` seconds for requests in flight, then returns by re-raising.
     """
-    app = build_app(model, config=config, device=device)
+    check_api_key(api_key, host)
+    app = build_app(model, config=config, device=device, api_key=api_key)
     runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:

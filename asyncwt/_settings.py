@@ -56,6 +56,18 @@ def check_timeout(name: str, value: object) -> None:
     check_at_most(name, value, MAX_TIMEOUT_S)  # type: ignore[arg-type]
 
 
+MAX_TRAINER_ID_CHARS = 128
+
+
+def check_trainer_id(value: object) -> None:
+    """Raise `ValueError` unless `value` is a str of at most `MAX_TRAINER_ID_CHARS`."""
+    if not isinstance(value, str) or len(value) > MAX_TRAINER_ID_CHARS:
+        shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
+        raise ValueError(
+            f"trainer_id should be a str of at most {MAX_TRAINER_ID_CHARS} characters, got {shown}"
+        )
+
+
 def check_host(name: str, value: object) -> None:
     """Raise `ValueError` naming `name` unless `value` is a host name or address a
     socket can take: a non-empty str of at most 253 characters that IDNA encodes."""
@@ -150,6 +162,9 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     connect_timeout: float = 60.0
     recv_timeout: float = 300.0
     drain_timeout: float = 300.0
+    trainer_id: str = ""
+    """The trainer's id for this init (random, per `trainer_init`): every round's
+    update info must name it. Empty from a trainer that sends none: then unchecked."""
 
     transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
     """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
@@ -163,6 +178,7 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
         for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
             check_timeout(name, getattr(self, name))
+        check_trainer_id(self.trainer_id)
 
 
 @dataclass
@@ -171,8 +187,11 @@ class RoundUpdateInfo(WeightTransferUpdateInfo):
 
     round_id: int
     plan_digest: str
+    trainer_id: str = ""
+    """The id of the trainer sending the round (see `WorkerPlanInfo.trainer_id`)."""
 
     def __post_init__(self) -> None:
+        check_trainer_id(self.trainer_id)
         check_positive("round_id", self.round_id)
         if self.round_id > MAX_ROUND_ID:
             raise ValueError(

@@ -7,6 +7,7 @@ builds its `SenderTransport`; the rest is here, written once.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from abc import abstractmethod
 from typing import Any, ClassVar, TypeVar
@@ -17,7 +18,7 @@ import anyio.to_thread
 import torch
 from typing_extensions import Self
 
-from ._client import AnyWeightSyncClient, call_client
+from ._client import AnyWeightSyncClient, call_client, round_keywords
 from ._concurrency import single_error
 from ._device import resolve_device
 from ._exceptions import ControlPlaneError
@@ -37,14 +38,16 @@ logger = logging.getLogger("asyncwt")
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
 
 
-async def bounded_call(client: object, method: str, *args: Any, timeout: float, where: str) -> None:
+async def bounded_call(
+    client: object, method: str, *args: Any, timeout: float, where: str, **kwargs: Any
+) -> None:
     """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
 
     A synchronous client's thread cannot be interrupted: it is left to finish in the
     background (its result is dropped), so the caller never waits past `timeout`.
     """
     with anyio.move_on_after(timeout) as scope:
-        await call_client(client, method, *args)
+        await call_client(client, method, *args, **kwargs)
     if scope.cancelled_caught:
         raise ControlPlaneError(
             f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
@@ -92,6 +95,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
         self.transport: SenderTransport | None = None
+        self.trainer_id = secrets.token_hex(16)
+        """This engine's id, sent to the workers at init and with every round: a worker
+        refuses rounds of any other trainer (a stale one, or a stranger)."""
         self._rounds = 0
         self._busy = False
         self._closed = False
@@ -141,7 +147,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         engine = cls(init_info, client=client, source=source, plan=plan, device=device)
         if init_info.is_sender:
             transport = cls.make_transport(init_info, plan, device)
-            fields = {"plan": plan.to_wire(), **settings.worker_fields()}
+            fields = {
+                "plan": plan.to_wire(),
+                **settings.worker_fields(),
+                "trainer_id": engine.trainer_id,
+            }
 
             async def init_workers(init_info: dict[str, Any]) -> None:
                 await bounded_call(
@@ -240,7 +250,18 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         """
         rpc_timeout = self.info.rpc_timeout
         where = f"round {round_id}"
-        update_info = {"round_id": round_id, "plan_digest": self.plan.digest}
+        update_info = {
+            "round_id": round_id,
+            "plan_digest": self.plan.digest,
+            "trainer_id": self.trainer_id,
+        }
+        # The round's ids go to start and finish both, or to neither: a round started
+        # with its ids can only be closed by a finish naming them.
+        ids = {"round_id": round_id, "trainer_id": self.trainer_id}
+        start_ids = round_keywords(self.client, "start_weight_update", **ids)
+        finish_ids = round_keywords(self.client, "finish_weight_update", **ids)
+        if start_ids != ids or finish_ids != ids:
+            start_ids = finish_ids = {}
         failed = False
         update_started = False
         update_done = anyio.Event()
@@ -259,7 +280,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         async def open_round(tg: anyio.abc.TaskGroup) -> None:
             nonlocal update_started
-            await bounded_call(self.client, "start_weight_update", timeout=rpc_timeout, where=where)
+            await bounded_call(
+                self.client, "start_weight_update", timeout=rpc_timeout, where=where, **start_ids
+            )
             tg.start_soon(update_rpc)
             update_started = True
             await transport.begin_round(round_id)
@@ -307,7 +330,12 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                         f"broke)"
                     )
         await bounded_call(
-            self.client, "finish_weight_update", weight_version, timeout=rpc_timeout, where=where
+            self.client,
+            "finish_weight_update",
+            weight_version,
+            timeout=rpc_timeout,
+            where=where,
+            **finish_ids,
         )
         return busy
 

@@ -7,6 +7,7 @@ are here, written once.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from ._applier import DeferredApplier, ModelTarget, weights_loader
 from ._bytes import byte_view
 from ._exceptions import (
     ApplyError,
+    RoundConflictError,
     StaleRoundError,
     TransferAbortedError,
     TransferError,
@@ -164,7 +166,12 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self._target: ModelTarget | None = None
         self._last_round = 0
         self._received_round = 0
-        self._round_error: BaseException | None = None
+        """The round received completely since the last start (0: none); a finish
+        closes it, so a second finish has nothing to publish."""
+        self._round_error: tuple[int, BaseException] | None = None
+        """The error that ended a round, with that round's id: it fails that round's
+        finish and nothing else, and nothing but a new round clears it."""
+        self._trainer_id = ""
         self._drain_timeout = WorkerPlanInfo.drain_timeout
         self._recv_timeout = WorkerPlanInfo.recv_timeout
         self._receiving = threading.Lock()
@@ -223,6 +230,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self._plan, self._target = plan, target
         self._last_round = self._received_round = 0
         self._round_error = None
+        self._trainer_id = init_info.trainer_id
         self._drain_timeout = init_info.drain_timeout
         self._recv_timeout = init_info.recv_timeout
         if old is not None:
@@ -239,6 +247,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         """
         self._drain_quietly("before a new round")
         self._round_error = None
+        self._received_round = 0
 
     def receive_weights(self, update_info: RoundUpdateInfo) -> None:
         """Receive every bucket of the round; queue each for background apply.
@@ -249,6 +258,14 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         """
         receiver, plan, target = self._require_init()
         plan.check_digest(update_info.plan_digest, where=f"round {update_info.round_id}")
+        if self._trainer_id and not hmac.compare_digest(
+            update_info.trainer_id.encode(), self._trainer_id.encode()
+        ):
+            raise RoundConflictError(
+                f"update_weights for round {update_info.round_id} refused: it names a trainer "
+                f"other than the one this worker was initialised with (a stale trainer, or a "
+                f"stranger); run trainer_init to take the worker over"
+            )
         if update_info.round_id <= self._last_round:
             raise StaleRoundError(
                 f"round_id should increase: got {update_info.round_id} after {self._last_round} "
@@ -274,7 +291,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             # A receive overtaken by a new init (its trainer died, a new one connected)
             # must not poison the new connection's rounds: record only the current one.
             if self._is_current(receiver, round_id):
-                self._round_error = exc
+                self._round_error = (round_id, exc)
             if not isinstance(exc, TransferAbortedError):
                 logger.warning("round %d failed on the worker: %r", round_id, exc)
             raise
@@ -289,11 +306,17 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def drain_pending(self) -> None:
         """Block until every received bucket is applied; re-raise the first error.
 
-        Idempotent: a second call returns at once (an error is raised once). Bounded
-        by `drain_timeout`: an apply still running after it raises `ApplyError`
-        naming the round, bucket and parameters.
+        Idempotent: a second call returns at once (an error is raised once here). An
+        error stays the round's: its `finish_weight_update` still fails. Bounded by
+        `drain_timeout`: an apply still running after it raises `ApplyError` naming
+        the round, bucket and parameters.
         """
-        self._applier.drain(self._drain_timeout)
+        try:
+            self._applier.drain(self._drain_timeout)
+        except ApplyError as exc:
+            if self._round_error is None or self._round_error[0] != self._last_round:
+                self._round_error = (self._last_round, exc)
+            raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Drain background apply, commit a staged round, then publish `weight_version`.
@@ -305,8 +328,10 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         was left half-updated.
         """
         round_id = self._last_round
-        if self._round_error is not None:
-            error, self._round_error = self._round_error, None
+        received, self._received_round = self._received_round, 0  # a finish closes the round
+        failed = self._round_error
+        if failed is not None and failed[0] == round_id:
+            error = failed[1]
             self._drain_quietly("after the failed round")
             raise TransferError(
                 f"round {round_id} did not complete, so version {weight_version!r} is not "
@@ -316,7 +341,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             self.drain_pending()
         except ApplyError as exc:
             raise ApplyError(f"{exc}; {self._outcome()}") from exc.__cause__
-        if round_id == 0 or self._received_round != round_id:
+        if round_id == 0 or received != round_id:
             raise TransferError(
                 f"finish_weight_update called without a completely received round (last "
                 f"round {round_id}); {self._outcome()}"

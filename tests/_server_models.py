@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +114,92 @@ class FakeEngine(asyncwt.WeightTransferEngine[FakeInitInfo, FakeUpdateInfo]):
 # subprocess) the module must not register twice.
 if FAKE_BACKEND not in asyncwt.registered_backends()["worker"]:
     asyncwt.register_worker_engine(FAKE_BACKEND, FakeEngine)
+
+
+# -- a naive deferred engine, for the round state machine's randomized test -------------
+
+NAIVE_DEFERRED_BACKEND = "naive-deferred-test"
+
+
+@dataclass
+class NaiveInitInfo(asyncwt.WeightTransferInitInfo):
+    """The trainer's id, as asyncwt's trainers send it."""
+
+    trainer_id: str = ""
+
+
+@dataclass
+class NaiveUpdateInfo(asyncwt.WeightTransferUpdateInfo):
+    """One update: every parameter takes `fill`, unless `fail_apply`: then the
+    background apply writes the first parameter and fails (the weights are a mix)."""
+
+    fill: float
+    round_id: int | None = None
+    trainer_id: str = ""
+    fail_apply: bool = False
+
+
+class NaiveDeferredEngine(asyncwt.WeightTransferEngine[NaiveInitInfo, NaiveUpdateInfo]):
+    """Applies in the background and keeps no round state at all: one error slot that
+    any drain consumes, a start that drops it, a finish that publishes what it is
+    given. Only the worker's round state machine keeps its status honest."""
+
+    init_info_cls = NaiveInitInfo
+    update_info_cls = NaiveUpdateInfo
+    defers_processing = True
+
+    def __init__(
+        self,
+        config: asyncwt.WeightTransferConfig,
+        vllm_config: object | None,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.weight_version: str | None = None
+        self.weights_incomplete = False
+        self._pending: list[Future[None]] = []
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="naive-apply")
+
+    def init_transfer_engine(self, init_info: NaiveInitInfo) -> None:
+        self.drain_quietly()
+
+    def start_weight_update(self) -> None:
+        self.drain_quietly()
+
+    def receive_weights(self, update_info: NaiveUpdateInfo) -> None:
+        self.weights_incomplete = True
+        self._pending.append(self._executor.submit(self._apply, update_info))
+
+    def _apply(self, info: NaiveUpdateInfo) -> None:
+        with torch.no_grad():
+            for index, param in enumerate(self.model.parameters()):
+                if index == 1 and info.fail_apply:
+                    raise RuntimeError(f"applying fill {info.fill} failed on purpose")
+                param.fill_(info.fill)
+
+    def drain_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise asyncwt.ApplyError(str(first))
+
+    def drain_quietly(self) -> None:
+        try:
+            self.drain_pending()
+        except asyncwt.ApplyError:
+            pass
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.drain_pending()
+        self.weight_version = weight_version
+        self.weights_incomplete = False
+
+    def shutdown(self) -> None:
+        self.drain_quietly()
+        self._executor.shutdown(wait=True)
+
+
+if NAIVE_DEFERRED_BACKEND not in asyncwt.registered_backends()["worker"]:
+    asyncwt.register_worker_engine(NAIVE_DEFERRED_BACKEND, NaiveDeferredEngine)

@@ -520,7 +520,10 @@ async def test_plan_digest_mismatch_fails_before_any_data_moves(
                 match=r"HTTP 409: PlanMismatchError: round 1000: transfer plan digest 0{16}… does not "
                 r"match this side's [0-9a-f]{16}…; both ends must use the same metadata",
             ):
-                await client.update_weights({"round_id": 1000, "plan_digest": "0" * 64})
+                await client.start_weight_update()
+                await client.update_weights(
+                    {"round_id": 1000, "plan_digest": "0" * 64, "trainer_id": engine.trainer_id}
+                )
             # Nothing was read from the data connection: the next round works.
             _models.randomize(model, seed=9)
             await engine.send_weights(weight_version="after-mismatch")

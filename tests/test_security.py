@@ -49,9 +49,23 @@ PACKAGE = Path(asyncwt.__file__).resolve().parent
 
 # -- no pickle, no eval -----------------------------------------------------------------
 
-FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
+FORBIDDEN_MODULES = {
+    "pickle",
+    "_pickle",
+    "cPickle",
+    "marshal",
+    "shelve",
+    "dill",
+    "cloudpickle",
+    "joblib",
+}
 FORBIDDEN_CALLS = {"eval", "exec", "__import__"}
-FORBIDDEN_ATTRIBUTES = {("torch", "load"), ("pickle", "loads"), ("pickle", "load"), ("marshal", "loads")}
+FORBIDDEN_ATTRIBUTES = {
+    ("torch", "load"),
+    ("pickle", "loads"),
+    ("pickle", "load"),
+    ("marshal", "loads"),
+}
 
 
 def _violations(path: Path) -> Iterator[str]:
@@ -125,7 +139,9 @@ async def test_every_trainer_listener_binds_loopback_by_default(backend: str) ->
     try:
         info = info_for(backend)
         assert info.host == "127.0.0.1"  # type: ignore[attr-defined]
-        engine = await trainer_init(info, client=Recording(engines), source=ModuleSource(_models.mixed()))
+        engine = await trainer_init(
+            info, client=Recording(engines), source=ModuleSource(_models.mixed())
+        )
         await engine.shutdown()
     finally:
         engines[0].shutdown()
@@ -193,7 +209,9 @@ async def test_the_worker_server_refuses_an_oversized_body_with_a_json_413() -> 
         async with aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{port}/init_weight_transfer_engine"
             big = json.dumps({"init_info": {"plan": {"pad": "x" * 8192}}})
-            async with session.post(url, data=big, headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                url, data=big, headers={"Content-Type": "application/json"}
+            ) as r:
                 assert r.status == 413
                 assert "error" in await r.json()
     finally:
@@ -243,11 +261,16 @@ async def test_a_flood_of_idle_connections_during_init_holds_few_trainer_descrip
             await super().init_weight_transfer_engine(init_info)
 
     info = TcpTrainerInitInfo(
-        rank=0, bucket_bytes=_models.BUCKET_BYTES, max_pending_handshakes=limit, handshake_timeout=0.3
+        rank=0,
+        bucket_bytes=_models.BUCKET_BYTES,
+        max_pending_handshakes=limit,
+        handshake_timeout=0.3,
     )
     try:
         with anyio.fail_after(30):
-            engine = await trainer_init(info, client=Flooding([worker]), source=ModuleSource(_models.mixed()))
+            engine = await trainer_init(
+                info, client=Flooding([worker]), source=ModuleSource(_models.mixed())
+            )
         async with engine:
             assert engine.num_workers == 1
             await engine.send_weights(weight_version="through")
@@ -258,3 +281,143 @@ async def test_a_flood_of_idle_connections_during_init_holds_few_trainer_descrip
     assert during and during[0] <= limit
     assert worker.weight_version == "through"
     await asyncio.sleep(0)
+
+
+# -- the control plane's API key (issue 23, finding 4) ---------------------------------
+
+ROUTES = [
+    ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/start_weight_update"),
+    ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"),
+    ("POST", "/shutdown_weight_transfer_engine"),
+    ("GET", "/weights_status"),
+    ("GET", "/no_such_route"),
+]
+
+
+async def _answers_without_the_key(url: str, headers: dict[str, str]) -> list[tuple[int, str, str]]:
+    found = []
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for method, route in ROUTES:
+            async with session.request(method, url + route, json={}) as response:
+                body = await response.json()
+                found.append(
+                    (response.status, response.headers.get("WWW-Authenticate", ""), body["error"])
+                )
+    return found
+
+
+@uvloop_only
+@pytest.mark.parametrize("how", ["flag-on-loopback", "env-on-all-interfaces"])
+async def test_a_worker_with_an_api_key_refuses_every_route_without_it(how: str) -> None:
+    from _faults import assert_worker_has, worker_env
+
+    from asyncwt import HttpClient
+    from asyncwt._launch import worker_process
+
+    key = secrets.token_urlsafe(24)
+    if how == "flag-on-loopback":
+        args, env = ("--api-key", key), worker_env()
+    else:
+        args, env = ("--host", "0.0.0.0"), worker_env(ASYNCWT_API_KEY=key)
+    with worker_process("_models:mixed", "--backend", "tcp", *args, env=env) as url:
+        url = url.replace("0.0.0.0", "127.0.0.1")
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": key}):
+            answers = await _answers_without_the_key(url, headers)
+            assert {(status, challenge) for status, challenge, _ in answers} == {(401, "Bearer")}
+            assert answers[0][2].startswith(
+                "this worker requires an API key: send 'Authorization: Bearer"
+            )
+        async with HttpClient(url, api_key=key) as client:
+            model = _models.mixed()
+            engine = await trainer_init(
+                TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(model)
+            )
+            async with engine:
+                _models.randomize(model, seed=4)
+                await engine.send_weights(weight_version="authenticated")
+            await assert_worker_has(client, model, "authenticated")
+
+
+def test_the_worker_refuses_to_serve_beyond_loopback_without_an_api_key() -> None:
+    import subprocess
+    import sys
+
+    from _faults import worker_env
+
+    env = worker_env()
+    env.pop("ASYNCWT_API_KEY", None)
+    command = [
+        sys.executable,
+        "-m",
+        "asyncwt",
+        "worker",
+        "--model",
+        "_models:mixed",
+        "--host",
+        "0.0.0.0",
+    ]
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(
+        "asyncwt worker: error: refusing to serve on '0.0.0.0' without an API key: beyond "
+        "loopback anyone who reaches the port could re-init the worker and push weights. "
+        "Pass --api-key KEY or set ASYNCWT_API_KEY"
+    ), done.stderr
+
+
+def test_serve_checks_the_api_key_before_binding() -> None:
+    from asyncwt._server import check_api_key, is_loopback
+
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert check_api_key(None, "127.0.0.1") is None
+    assert check_api_key("k", "0.0.0.0") == "k"
+    with pytest.raises(ValueError, match=r"^refusing to serve on '::' without an API key"):
+        check_api_key(None, "::")
+    with pytest.raises(ValueError, match=r"^api_key should be a non-empty str or None, got ''$"):
+        check_api_key("", "127.0.0.1")
+
+
+@uvloop_only
+async def test_a_round_from_a_stranger_cannot_break_the_trainers_link() -> None:
+    """A second client that is not the trainer (it does not know the trainer's id):
+    its update with round id 2**64-1 and its start naming another trainer are
+    refused (409), and the trainer's next round completes."""
+    from _faults import SMALL_TIMEOUTS, assert_worker_has, worker_env
+
+    from asyncwt import HttpClient
+    from asyncwt._launch import worker_process
+
+    with worker_process("_models:mixed", "--backend", "tcp", env=worker_env()) as url:
+        async with HttpClient(url) as client, HttpClient(url) as stranger:
+            model = _models.mixed()
+            info = TcpTrainerInitInfo(rank=0, bucket_bytes=_models.BUCKET_BYTES, **SMALL_TIMEOUTS)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                _models.randomize(model, seed=5)
+                await engine.send_weights(weight_version="v1")
+                stale: dict[str, Any] = {"round_id": 2**64 - 1, "plan_digest": engine.plan.digest}
+                for update_info in (stale, {**stale, "trainer_id": "f" * 32}):
+                    await stranger.start_weight_update()
+                    with pytest.raises(
+                        asyncwt.ControlPlaneError,
+                        match=r"HTTP 409: update_weights for round 18446744073709551615 refused: it "
+                        r"names a trainer other than the one this worker was initialised with",
+                    ):
+                        await stranger.update_weights(update_info)
+                with pytest.raises(
+                    asyncwt.ControlPlaneError,
+                    match=r"HTTP 409: start_weight_update refused: it names a trainer other than "
+                    r"the one this worker was initialised with",
+                ):
+                    await stranger.start_weight_update(trainer_id="f" * 32)
+                _models.randomize(model, seed=6)
+                await engine.send_weights(weight_version="v2")
+            await assert_worker_has(client, model, "v2")

@@ -350,6 +350,7 @@ def test_server_rejects_bad_update_info_and_accepts_a_second_init(worker_url: st
 
 def test_server_engine_failure_is_500_without_traceback(worker_url: str) -> None:
     assert post_raw(worker_url, "/init_weight_transfer_engine", b"{}")[0] == 200
+    assert post_raw(worker_url, "/start_weight_update", b"{}")[0] == 200
     status, _, text = post_raw(
         worker_url, "/update_weights", b'{"update_info": {"fill": 1, "fail": "disk on fire"}}'
     )
@@ -416,6 +417,7 @@ async def test_local_client_reraises_a_single_engine_failure_as_itself() -> None
     good, failing = local_engines(1)[0], FailingEngine(*engine_args())
     client = LocalClient([good, failing])
     await client.init_weight_transfer_engine({})
+    await client.start_weight_update()
     with pytest.raises(TransferAbortedError, match=r"^only the second$") as info:
         await client.update_weights({"fill": 1.0})
     assert not getattr(info.value, "__notes__", [])
@@ -426,6 +428,7 @@ async def test_local_client_reraises_a_single_engine_failure_as_itself() -> None
 async def test_local_client_notes_the_other_failures_when_several_engines_fail() -> None:
     client = LocalClient(local_engines(2))
     await client.init_weight_transfer_engine({})
+    await client.start_weight_update()
     with pytest.raises(TransferAbortedError) as info:
         await client.update_weights({"fill": 1.0, "fail": "boom"})
     assert str(info.value) == "boom"
