@@ -256,15 +256,24 @@ class Cluster:
         while self._links:
             port = self._links.pop()
             # Deleting one end of a veth pair deletes its peer, and both ends' qdiscs.
-            _run(["ip", "-n", self.bridge_netns, "link", "del", port], check=False)
+            # It fails harmlessly when the link was never made (or went with its namespace).
+            self._try(["ip", "-n", self.bridge_netns, "link", "del", port])
         self._shaped.clear()
         while self._netns:
             netns = self._netns.pop()
-            proc = _run(["ip", "netns", "del", netns], check=False)
-            if proc.returncode != 0 and os.path.exists(f"/run/netns/{netns}"):
-                left.append(f"{netns}: {proc.stderr.strip()}")
+            error = self._try(["ip", "netns", "del", netns])
+            if error and os.path.exists(f"/run/netns/{netns}"):
+                left.append(f"{netns}: {error}")
         atexit.unregister(self.down)
         return left
+
+    def _try(self, cmd: Sequence[str]) -> str:
+        """Run `cmd`; its error message, or "" when it succeeded."""
+        try:
+            self._runner(cmd)
+        except (ClusterError, OSError) as exc:
+            return str(exc)
+        return ""
 
     def leftovers(self) -> list[str]:
         """Namespaces with this cluster's tag that still exist (none after `down`)."""
