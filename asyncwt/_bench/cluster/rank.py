@@ -135,7 +135,7 @@ async def _run_job(
 ) -> tuple[dict[str, Any], bool]:
     """Warm-up + timed rounds to `job["urls"]`; (record, whether the model ends negated)."""
     from ... import HttpClient, ModuleSource, TcpTrainerInitInfo, trainer_init
-    from .._cpu import CpuMeter, median_cores
+    from .._cpu import CpuMeter, machine_cpu_s, median_cores
 
     label = job["label"]
     pids: dict[str, int | None] = {"trainer rank 0": None}
@@ -157,10 +157,17 @@ async def _run_job(
                         flipped = not flipped
                     version = f"{label}-{index}"
                     mark = meter.mark()
+                    machine_mark = machine_cpu_s()
                     started = time.monotonic()
                     stats = await engine.send_weights(weight_version=version)
                     wall = stats.wall_s if stats.wall_s > 0 else time.monotonic() - started
                     cores = meter.cores_busy(mark, wall)
+                    machine_now = machine_cpu_s()
+                    machine = (
+                        None
+                        if machine_mark is None or machine_now is None
+                        else (machine_now - machine_mark) / wall
+                    )
                     if rank != 0:
                         continue
                     statuses = await client.weights_status()
@@ -179,7 +186,7 @@ async def _run_job(
                         )
                     records.append(
                         {"wall_s": wall, "bytes": stats.bytes, "buckets": stats.buckets,
-                         "cores": cores, "bit_exact": exact, "warmup": index < warmup}
+                         "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup}
                     )  # fmt: skip
             finally:
                 await engine.shutdown()
@@ -192,6 +199,9 @@ async def _run_job(
         "workers": len(job["urls"]),
         "rounds": records,
         "cores_busy": median_cores([r["cores"] for r in timed]),
+        "machine_cores": median_cores(
+            [{"machine": r["machine_cores"]} for r in timed if r["machine_cores"] is not None]
+        ).get("machine"),
         "bit_exact": bool(timed) and all(r["bit_exact"] for r in timed),
     }, flipped
 

@@ -22,7 +22,10 @@ def _x(value: float | None) -> str:
 def _cores(row: dict[str, Any]) -> str:
     busy = row["busiest"]
     short = busy["process"].replace("trainer rank ", "r").replace("worker ", "w")
-    return f"{row['cores_sum']:.2f} ({short} {busy['cores']:.2f})"
+    machine = row.get("machine_cores")
+    return f"{row['cores_sum']:.2f} ({short} {busy['cores']:.2f}) / " + (
+        "-" if machine is None else f"{machine:.2f}"
+    )
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -47,15 +50,18 @@ def format_table(report: dict[str, Any]) -> str:
             "worker). Headers of a 1500-byte MTU alone cost ~4.6% of a capped link."
         ),
         (
-            "cores = CPU cores busy, every process summed (busiest process: r = trainer rank, "
-            f"w = worker); CPU-bound: summed >= {settings['cpu_bound_cores']:.2f} or one process "
-            f">= {settings['cpu_bound_process']:.2f}."
+            "cores = CPU cores the run's processes kept busy, summed (busiest process: r = "
+            "trainer rank, w = worker) / the whole machine's busy cores (other users' "
+            f"processes included); CPU-bound: the run's processes >= "
+            f"{settings['cpu_bound_cores']:.2f}, one process >= "
+            f"{settings['cpu_bound_process']:.2f}, or the machine >= "
+            f"{settings['cpu_bound_cores']:.2f} while the row is more than 1.2x its star bound."
         ),
         "",
     ]
     header = (
         "| rate | {k} | s/round | ideal s | x ideal | star s | x star | Gbit/s per worker "
-        "| cores (busiest) | bound | bit-exact |"
+        "| cores: run (busiest) / machine | bound | bit-exact |"
     )
     for kind, title, key in (
         ("workers", "One trainer to N workers", "N"),
@@ -76,6 +82,12 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'yes' if r['bit_exact'] else 'NO'} |"
             )
         lines.append("")
+        flagged = [r for r in rows if r["cpu_bound"] and not r.get("same_as")]
+        for r in flagged:
+            count = r["workers"] if kind == "workers" else r["ranks"]
+            lines.append(f"- CPU-bound, {r['rate']} {key} = {count}: {r['cpu_bound_why']}")
+        if flagged:
+            lines.append("")
     cleanup = meta.get("cleanup", {})
     if cleanup:
         left = cleanup.get("left_behind") or []

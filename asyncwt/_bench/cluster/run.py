@@ -52,6 +52,9 @@ WORKER_PORT = 8000
 """Every worker listens on this port of its own host (each host is its own namespace)."""
 GLOO_PORT = 29500
 """The trainer ranks' rendezvous, on rank 0's host."""
+LINK_BOUND_WITHIN = 1.2
+"""A row within this factor of its star bound is held by its links (a 1500-byte MTU's
+headers alone cost 4.6%)."""
 SCENARIO_SLACK_S = 300.0
 """Seconds a scenario may take beyond 10x its star bound before it counts as hung."""
 
@@ -177,7 +180,11 @@ def run_cluster(
         pids, urls = _start_workers(stack, workers, env, log_dir)
         for rate in settings.rates_bps:
             cluster.set_rate(rate)
-            log(f"links capped at {format_rate(rate)} both ways")
+            log(
+                "links uncapped"
+                if rate is None
+                else f"links capped at {format_rate(rate)} both ways"
+            )
             rows = _workers_scenarios(settings, cluster, rate, urls, pids, env, log_dir, log)
             report["rows"] += rows
             for m in settings.ranks:
@@ -387,6 +394,7 @@ def _row(
         "median_s": statistics.median(times),
         "bytes_per_round": timed[0]["bytes"] if timed else 0,
         "cores_busy": record["cores_busy"],
+        "machine_cores": record.get("machine_cores"),
         "bit_exact": record["bit_exact"],
         "loadavg": os.getloadavg(),
     }
@@ -411,5 +419,12 @@ def _derive(row: dict[str, Any], nbytes: int, settings: ClusterSettings) -> None
         reasons.append(f"its processes kept {row['cores_sum']:.2f} cores busy")
     if busiest[1] >= settings.cpu_bound_process:
         reasons.append(f"{busiest[0]} kept {busiest[1]:.2f} of a core busy")
+    machine = row.get("machine_cores")
+    at_links = row["ratio_to_star"] is not None and row["ratio_to_star"] <= LINK_BOUND_WITHIN
+    if machine is not None and machine >= settings.cpu_bound_cores and not at_links:
+        reasons.append(
+            f"the machine's cores were {machine:.2f} busy (other processes included) "
+            f"while the links were not full"
+        )
     row["cpu_bound"] = bool(reasons)
     row["cpu_bound_why"] = "; ".join(reasons)
