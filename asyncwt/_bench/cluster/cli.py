@@ -150,13 +150,21 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from .report import format_table, write_chart, write_json, write_table
-    from .run import ClusterSettings, run_cluster
+    from .run import ClusterSettings, derive, run_cluster
 
     if args.from_json is not None:
         try:
             saved = json.loads(args.from_json.read_text())
         except (OSError, ValueError) as exc:
             parser.error(f"--from-json {args.from_json}: {exc}")
+        settings = saved["meta"]["settings"]
+        for row in saved["rows"]:  # judged by this code's rules, not the saved run's
+            derive(
+                row,
+                saved["meta"]["model"]["bytes"],
+                settings["cpu_bound_cores"],
+                settings["cpu_bound_process"],
+            )
         note = "chart skipped: --no-chart" if args.no_chart else write_chart(saved, args.out)[1]
         print(format_table(saved))
         print(note, flush=True)

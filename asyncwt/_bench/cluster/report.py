@@ -54,8 +54,9 @@ def format_table(report: dict[str, Any]) -> str:
             "trainer rank, w = worker) / the whole machine's busy cores (other users' "
             f"processes included); CPU-bound: the run's processes >= "
             f"{settings['cpu_bound_cores']:.2f}, one process >= "
-            f"{settings['cpu_bound_process']:.2f}, or the machine >= "
-            f"{settings['cpu_bound_cores']:.2f} while the row is more than 1.2x its star bound."
+            f"{settings['cpu_bound_process']:.2f}, the machine >= "
+            f"{settings['cpu_bound_cores']:.2f}, or no cap at all; link: within 1.2x of the "
+            "star bound; other: neither (latency, protocol, the FSDP gathers)."
         ),
         "",
     ]
@@ -74,7 +75,7 @@ def format_table(report: dict[str, Any]) -> str:
         for r in rows:
             count = r["workers"] if kind == "workers" else r["ranks"]
             note = " (= N 1)" if r.get("same_as") else ""
-            bound = "**CPU**" if r["cpu_bound"] else "link"
+            bound = {"CPU": "**CPU**", "other": "*other*"}.get(r["bound"], r["bound"])
             lines.append(
                 f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {_s(r['ideal_s'])} | "
                 f"{_x(r['ratio_to_ideal'])} | {_s(r['star_bound_s'])} | {_x(r['ratio_to_star'])} "
@@ -82,10 +83,10 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'yes' if r['bit_exact'] else 'NO'} |"
             )
         lines.append("")
-        flagged = [r for r in rows if r["cpu_bound"] and not r.get("same_as")]
+        flagged = [r for r in rows if r["bound"] != "link" and not r.get("same_as")]
         for r in flagged:
             count = r["workers"] if kind == "workers" else r["ranks"]
-            lines.append(f"- CPU-bound, {r['rate']} {key} = {count}: {r['cpu_bound_why']}")
+            lines.append(f"- {r['bound']}, {r['rate']} {key} = {count}: {r['bound_why']}")
         if flagged:
             lines.append("")
     cleanup = meta.get("cleanup", {})
@@ -144,7 +145,8 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
         for index, (rate_bps, rate) in enumerate(rates):
             color = _COLORS[index % len(_COLORS)]
             points = sorted(
-                (r[key], r) for r in rows if r["kind"] == kind and r["rate_bps"] == rate_bps
+                ((r[key], r) for r in rows if r["kind"] == kind and r["rate_bps"] == rate_bps),
+                key=lambda point: point[0],
             )
             if not points:
                 continue
@@ -153,8 +155,9 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
             ax.plot(xs, ys, "-", color=color, label=rate, linewidth=1.8)
             for x, (_, r) in zip(xs, points):
                 ax.plot(
-                    [x], [r["median_s"]], "o", color=color, markersize=6,
-                    markerfacecolor="white" if r["cpu_bound"] else color,
+                    [x], [r["median_s"]], linestyle="none", color=color, markersize=6,
+                    markerfacecolor=color if r["bound"] == "link" else "white",
+                    marker="o" if r["bound"] != "other" else "s",
                 )  # fmt: skip
             ideal = points[0][1]["ideal_s"]
             if ideal is not None:
@@ -182,7 +185,7 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
     fig.text(
         0.5, 0.005,
         "dashed: ideal (model bytes / one link's rate); dotted: star bound (N copies through "
-        "the trainer's link); hollow marker: bound by this machine's CPU, not the links",
+        "the trainer's link); hollow: not held by its links (circle: this machine's CPU; square: other)",
         ha="center", fontsize=8,
     )  # fmt: skip
     fig.tight_layout(rect=(0, 0.03, 1, 1))

@@ -42,6 +42,7 @@ from .signals import deferred_signals
 
 __all__ = [
     "ClusterSettings",
+    "derive",
     "format_rate",
     "package_root",
     "run_cluster",
@@ -200,7 +201,7 @@ def run_cluster(
         with deferred_signals():
             stack.close()
     for row in report["rows"]:
-        _derive(row, nbytes, settings)
+        derive(row, nbytes, settings.cpu_bound_cores, settings.cpu_bound_process)
     report["meta"]["runtime_s"] = time.perf_counter() - started
     report["meta"]["loadavg_at_end"] = os.getloadavg()
     return report
@@ -400,8 +401,14 @@ def _row(
     }
 
 
-def _derive(row: dict[str, Any], nbytes: int, settings: ClusterSettings) -> None:
-    """Add the ideal, the star bound, their ratios, the CPU sums and the bound."""
+def derive(
+    row: dict[str, Any], nbytes: int, cpu_bound_cores: float, cpu_bound_process: float
+) -> None:
+    """Add the ideal, the star bound, their ratios, the CPU sums and what bound the row:
+    `link` (within `LINK_BOUND_WITHIN` of its star bound), `CPU` (uncapped: the
+    emulated wire is the kernel copying on this machine's cores; or the run's
+    processes, one of them, or the whole machine busy while the links were not
+    full), or `other` (neither: latency, protocol, collectives)."""
     rate = row["rate_bps"]
     ideal = None if rate is None else nbytes * 8 / rate
     row["model_bytes"] = nbytes
@@ -414,17 +421,27 @@ def _derive(row: dict[str, Any], nbytes: int, settings: ClusterSettings) -> None
     row["cores_sum"] = sum(cores.values())
     busiest = max(cores.items(), key=lambda kv: kv[1], default=("", 0.0))
     row["busiest"] = {"process": busiest[0], "cores": busiest[1]}
-    reasons = []
-    if row["cores_sum"] >= settings.cpu_bound_cores:
-        reasons.append(f"its processes kept {row['cores_sum']:.2f} cores busy")
-    if busiest[1] >= settings.cpu_bound_process:
-        reasons.append(f"{busiest[0]} kept {busiest[1]:.2f} of a core busy")
     machine = row.get("machine_cores")
+    reasons = []
+    if rate is None:
+        reasons.append("no link cap: the wire is the kernel copying on this machine's cores")
+    if row["cores_sum"] >= cpu_bound_cores:
+        reasons.append(f"its processes kept {row['cores_sum']:.2f} cores busy")
+    if busiest[1] >= cpu_bound_process:
+        reasons.append(f"{busiest[0]} kept {busiest[1]:.2f} of a core busy")
+    if machine is not None and machine >= cpu_bound_cores:
+        reasons.append(f"the machine's cores were {machine:.2f} busy (other users included)")
     at_links = row["ratio_to_star"] is not None and row["ratio_to_star"] <= LINK_BOUND_WITHIN
-    if machine is not None and machine >= settings.cpu_bound_cores and not at_links:
-        reasons.append(
-            f"the machine's cores were {machine:.2f} busy (other processes included) "
-            f"while the links were not full"
+    if at_links:
+        row["bound"], why = "link", f"{row['ratio_to_star']:.2f}x its star bound"
+    elif reasons:
+        row["bound"], why = "CPU", "; ".join(reasons)
+    else:
+        machine_text = "-" if machine is None else f"{machine:.2f}"
+        row["bound"] = "other"
+        why = (
+            f"{row['ratio_to_star']:.2f}x its star bound with cores to spare (the run's "
+            f"{row['cores_sum']:.2f}, the machine's {machine_text})"
         )
-    row["cpu_bound"] = bool(reasons)
-    row["cpu_bound_why"] = "; ".join(reasons)
+    row["bound_why"] = why
+    row["cpu_bound"] = row["bound"] == "CPU"
