@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A,B,...",
         help="asyncwt backends to run (default: every available one; tcp with --quick/--tiny)",
     )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the cluster bench instead: emulated hosts with capped links "
+        "(asyncwt bench --cluster --help)",
+    )
     parser.add_argument("--no-sweep", action="store_true", help="skip the sweep")
     parser.add_argument("--no-chart", action="store_true", help="do not draw bench.png")
     parser.add_argument(
@@ -209,7 +215,15 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; exit status 0 (bars are reported, not enforced, unless --strict)."""
+    """Run the benchmark; exit status 0 (bars are reported, not enforced, unless --strict).
+
+    With `--cluster` the rest of the options go to the cluster bench
+    (`asyncwt._bench.cluster.cli`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cluster" in argv:
+        from .cluster.cli import main as cluster_main
+
+        return cluster_main([a for a in argv if a != "--cluster"])
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

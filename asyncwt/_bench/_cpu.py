@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CpuMeter", "median_cores", "process_cpu_s"]
+__all__ = ["CpuMeter", "machine_cpu_s", "median_cores", "process_cpu_s"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _UTIME_FIELD = 11
@@ -31,6 +31,23 @@ def process_cpu_s(pid: int | None = None) -> float | None:
         return None
     fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces
     return (int(fields[_UTIME_FIELD]) + int(fields[_UTIME_FIELD + 1])) / _TICKS_PER_S
+
+
+def machine_cpu_s() -> float | None:
+    """CPU seconds every core of the machine spent busy since boot (neither idle nor
+    waiting for I/O), every process counted, ours and anyone else's; `None` where
+    `/proc/stat` cannot tell. On a shared machine, what others left us."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+    values = [int(v) for v in fields[1:9]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values) - idle) / _TICKS_PER_S
 
 
 @dataclass(frozen=True, slots=True)

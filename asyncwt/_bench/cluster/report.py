@@ -1,0 +1,196 @@
+"""The cluster bench's outputs: a markdown table, the JSON, and the scaling chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "write_chart", "write_json", "write_table"]
+
+MiB = 1 << 20
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _cores(row: dict[str, Any]) -> str:
+    busy = row["busiest"]
+    short = busy["process"].replace("trainer rank ", "r").replace("worker ", "w")
+    machine = row.get("machine_cores")
+    return f"{row['cores_sum']:.2f} ({short} {busy['cores']:.2f}) / " + (
+        "-" if machine is None else f"{machine:.2f}"
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown: one table per scenario kind, a row per (rate, N or M)."""
+    meta = report["meta"]
+    model = meta["model"]
+    settings = meta["settings"]
+    lines = [
+        (
+            f"Cluster bench: synthetic Llama, {model['bytes'] / MiB:.1f} MiB bf16 "
+            f"({model['tensors']} tensors), tcp backend, {settings['bucket_bytes'] / MiB:g} MiB "
+            f"buckets x {settings['num_buffers']}; median of {settings['rounds']['rounds']} rounds "
+            f"after {settings['rounds']['warmup']} warm-up; {meta['cpus']} CPUs."
+        ),
+        (
+            "Every host is a network namespace behind one bridge; its link is capped both ways "
+            "by a token bucket (tc tbf)."
+        ),
+        (
+            "ideal = model bytes / one link's rate (each worker must receive the model through "
+            "its own link); star = N x ideal (today: the trainer's link carries a copy per "
+            "worker). Headers of a 1500-byte MTU alone cost ~4.6% of a capped link."
+        ),
+        (
+            "cores = CPU cores the run's processes kept busy, summed (busiest process: r = "
+            "trainer rank, w = worker) / the whole machine's busy cores (other users' "
+            f"processes included); CPU-bound: the run's processes >= "
+            f"{settings['cpu_bound_cores']:.2f}, one process >= "
+            f"{settings['cpu_bound_process']:.2f}, the machine >= "
+            f"{settings['cpu_bound_cores']:.2f}, or no cap at all; link: within 1.2x of the "
+            "star bound; other: neither (latency, protocol, the FSDP gathers)."
+        ),
+        "",
+    ]
+    header = (
+        "| rate | {k} | s/round | ideal s | x ideal | star s | x star | Gbit/s per worker "
+        "| cores: run (busiest) / machine | bound | bit-exact |"
+    )
+    for kind, title, key in (
+        ("workers", "One trainer to N workers", "N"),
+        ("ranks", "M FSDP2 trainer ranks (gloo) to N = M workers; only rank 0 sends", "M"),
+    ):
+        rows = [r for r in report["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        lines += [f"### {title}", "", header.format(k=key), "|" + " --- |" * 11]
+        for r in rows:
+            count = r["workers"] if kind == "workers" else r["ranks"]
+            note = " (= N 1)" if r.get("same_as") else ""
+            bound = {"CPU": "**CPU**", "other": "*other*"}.get(r["bound"], r["bound"])
+            lines.append(
+                f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {_s(r['ideal_s'])} | "
+                f"{_x(r['ratio_to_ideal'])} | {_s(r['star_bound_s'])} | {_x(r['ratio_to_star'])} "
+                f"| {r['gbit_per_worker']:.2f} | {_cores(r)} | {bound} | "
+                f"{'yes' if r['bit_exact'] else 'NO'} |"
+            )
+        lines.append("")
+        flagged = [r for r in rows if r["bound"] != "link" and not r.get("same_as")]
+        for r in flagged:
+            count = r["workers"] if kind == "workers" else r["ranks"]
+            lines.append(f"- {r['bound']}, {r['rate']} {key} = {count}: {r['bound_why']}")
+        if flagged:
+            lines.append("")
+    cleanup = meta.get("cleanup", {})
+    if cleanup:
+        left = cleanup.get("left_behind") or []
+        lines.append(
+            "cleanup: "
+            + ("every namespace, link and queue removed" if not left else f"LEFT {left}")
+        )
+    if "runtime_s" in meta:
+        lines.append(f"wall time: {meta['runtime_s']:.0f} s; command: `{meta.get('command', '?')}`")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "cluster.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return path
+
+
+def write_table(report: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "cluster.md"
+    path.write_text(format_table(report) + "\n")
+    return path
+
+
+_COLORS = ["#d98c5f", "#3b7dd8", "#6aa84f", "#8e63b8", "#999999", "#cc0000"]
+
+
+def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
+    """Seconds per round against N (left) and M (right), a line per rate, each next
+    to its ideal (dashed) and today's star bound (dotted); CPU-bound points hollow."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return None, "chart skipped: matplotlib is not installed (pip install 'asyncwt[bench]')"
+
+    rows = report["rows"]
+    rates: list[tuple[int | None, str]] = []
+    for r in rows:
+        if (r["rate_bps"], r["rate"]) not in rates:
+            rates.append((r["rate_bps"], r["rate"]))
+    kinds = [k for k in ("workers", "ranks") if any(r["kind"] == k for r in rows)]
+    if not kinds:
+        return None, "chart skipped: no rows"
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5.2), squeeze=False)
+    model_mib = report["meta"]["model"]["bytes"] / MiB
+    for ax, kind in zip(axes[0], kinds):
+        key = "workers" if kind == "workers" else "ranks"
+        for index, (rate_bps, rate) in enumerate(rates):
+            color = _COLORS[index % len(_COLORS)]
+            points = sorted(
+                ((r[key], r) for r in rows if r["kind"] == kind and r["rate_bps"] == rate_bps),
+                key=lambda point: point[0],
+            )
+            if not points:
+                continue
+            xs = [x for x, _ in points]
+            ys = [r["median_s"] for _, r in points]
+            ax.plot(xs, ys, "-", color=color, label=rate, linewidth=1.8)
+            for x, (_, r) in zip(xs, points):
+                ax.plot(
+                    [x], [r["median_s"]], linestyle="none", color=color, markersize=6,
+                    markerfacecolor=color if r["bound"] == "link" else "white",
+                    marker="o" if r["bound"] != "other" else "s",
+                )  # fmt: skip
+            ideal = points[0][1]["ideal_s"]
+            if ideal is not None:
+                ax.axhline(ideal, linestyle="--", color=color, linewidth=1)
+                ax.plot(xs, [ideal * r["workers"] for _, r in points], ":", color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        counts = sorted({r[key] for r in rows if r["kind"] == kind})
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlabel(
+            "workers N (one trainer)" if kind == "workers" else "FSDP2 trainer ranks M (N = M)"
+        )
+        ax.set_ylabel("seconds per round (median)")
+        ax.set_title(
+            f"{model_mib:.1f} MiB model, one trainer to N workers"
+            if kind == "workers"
+            else f"{model_mib:.1f} MiB model, M trainer ranks to M workers"
+        )
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(title="link rate", fontsize=8)
+    fig.text(
+        0.5, 0.005,
+        "dashed: ideal (model bytes / one link's rate); dotted: star bound (N copies through "
+        "the trainer's link); hollow: not held by its links (circle: this machine's CPU; square: other)",
+        ha="center", fontsize=8,
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "cluster.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path, f"chart written to {path}"
