@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from ._client import AnyWeightSyncClient
-from ._device import resolve_device
-from ._source import WeightSource
-from ._trainer import TrainerInitInfo, TrainerWeightTransferEngine
-from ._worker import WeightTransferConfig, WeightTransferEngine
+from ._control.protocol import AnyWeightSyncClient
+from ._core.device import resolve_device
+from ._core.source import WeightSource
+from ._trainer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from ._worker.base import WeightTransferConfig, WeightTransferEngine
 
 __all__ = [
     "create_worker_engine",

@@ -21,7 +21,7 @@ What it shows:
   generated (`None` before the first round: the factory's initial weights), plus a
   digest of the exact weights used, so the trainer can check the tag.
 
-Routes: everything `asyncwt worker` serves (see `asyncwt._server`), and
+Routes: everything `asyncwt worker` serves (see `asyncwt._worker.server`), and
 
     POST /rollouts {"contexts": [[float]*CONTEXT_DIM]*N, "seed": int}
       -> {"actions": [int]*N, "log_probs": [float]*N,
@@ -41,7 +41,7 @@ from _bandit import make_policy, sample_actions, weights_digest  # examples/, be
 from aiohttp import web
 
 from asyncwt import WeightTransferConfig
-from asyncwt._server import build_app  # the worker server's app: not public (yet)
+from asyncwt._worker.server import build_app  # the worker server's app: not public (yet)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATE_TIMEOUT_S = 60.0

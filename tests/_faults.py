@@ -39,7 +39,7 @@ from asyncwt import (
     WeightSource,
     model_checksum,
 )
-from asyncwt._wire import FRAME_SIZE
+from asyncwt._transports.wire import FRAME_SIZE
 
 TESTS = Path(__file__).resolve().parent
 

@@ -33,13 +33,13 @@ from asyncwt import (
     _link,
     _sockio,
 )
-from asyncwt._applier import ModelTarget
-from asyncwt._link import LinkSettings, Peer, TrainerLinks, WorkerLink
-from asyncwt._ring import RingReceiver
-from asyncwt._tcp_info import TcpWorkerInitInfo
-from asyncwt._tcp_worker import TcpReceiver
-from asyncwt._wire import HELLO_SIZE, Frame, FrameKind, digest_prefix
-from asyncwt._worker_engine import ReceivePool
+from asyncwt._transports.link import LinkSettings, Peer, TrainerLinks, WorkerLink
+from asyncwt._transports.shm.ring import RingReceiver
+from asyncwt._transports.tcp.settings import TcpWorkerInitInfo
+from asyncwt._transports.tcp.worker import TcpReceiver
+from asyncwt._transports.wire import HELLO_SIZE, Frame, FrameKind, digest_prefix
+from asyncwt._worker.applier import ModelTarget
+from asyncwt._worker.engine import ReceivePool
 
 T = TypeVar("T")
 

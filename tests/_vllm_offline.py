@@ -26,7 +26,7 @@ def main(model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from asyncwt import ShmTrainerInitInfo, TcpTrainerInitInfo, TorchDistTrainerInitInfo
-    from asyncwt._vllm_trainer import LLMClient, VllmTrainerInitInfo
+    from asyncwt._vllm.trainer import LLMClient, VllmTrainerInitInfo
 
     started = time.perf_counter()
     llm = LLM(

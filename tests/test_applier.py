@@ -23,10 +23,16 @@ from asyncwt import (
     WeightTransferConfig,
     create_worker_engine,
 )
-from asyncwt._applier import DeferredApplier, ModelTarget, Transform, bucket_parts, split_runs
-from asyncwt._bytes import byte_view
-from asyncwt._plan import Bucket, Slice, TransferPlan
-from asyncwt._worker_engine import DeferredWorkerEngine
+from asyncwt._core.bytes import byte_view
+from asyncwt._core.plan import Bucket, Slice, TransferPlan
+from asyncwt._worker.applier import (
+    DeferredApplier,
+    ModelTarget,
+    Transform,
+    bucket_parts,
+    split_runs,
+)
+from asyncwt._worker.engine import DeferredWorkerEngine
 
 BUCKET = 4096
 

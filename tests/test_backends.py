@@ -41,10 +41,10 @@ from asyncwt import (
     _sched,
     trainer_init,
 )
-from asyncwt._launch import worker_process
-from asyncwt._plan import TransferPlan
-from asyncwt._sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
-from asyncwt._tcp_info import TcpWorkerInitInfo
+from asyncwt._cli.launch import worker_process
+from asyncwt._core.plan import TransferPlan
+from asyncwt._core.sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
+from asyncwt._transports.tcp.settings import TcpWorkerInitInfo
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -297,7 +297,7 @@ async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
     mixed_worker: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The source runs on a thread with a short slice, the pack copies on one with a
-    long slice (see `asyncwt._sched`); the caller's thread is left as it was."""
+    long slice (see `asyncwt._core.sched`); the caller's thread is left as it was."""
     model = _models.mixed()
     source = SliceRecordingSource(model)
     pack_slices: list[int | None] = []

@@ -27,9 +27,9 @@ from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worke
 from asyncwt._bench._overlap import TransformConfig, set_transform_delay
 from asyncwt._bench._run import BALANCE_WITHIN, PAIR_ATTEMPTS, _summarize_sweep
 from asyncwt._bench._util import Rounds
-from asyncwt._checksum import model_checksum
-from asyncwt._meta import ParamMeta
-from asyncwt._plan import TransferPlan
+from asyncwt._core.checksum import model_checksum
+from asyncwt._core.meta import ParamMeta
+from asyncwt._core.plan import TransferPlan
 
 SECTIONS = ["meta", "limits", "peers", "asyncwt", "overlap", "memory", "sweep", "bars", "chart"]
 

@@ -18,7 +18,7 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._launch import worker_process
+from asyncwt._cli.launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
 
@@ -37,7 +37,7 @@ def test_cuda_ipc_is_absent_without_cuda_and_says_why() -> None:
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_cuda_ipc_rounds_are_bit_exact(workers: int) -> None:
-    from asyncwt._cuda_ipc import CudaIpcTrainerInitInfo
+    from asyncwt._transports.cuda_ipc import CudaIpcTrainerInitInfo
 
     env = dict(os.environ, PYTHONPATH=str(TESTS))
     urls = []

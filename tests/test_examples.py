@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asyncwt._launch import worker_process
+from asyncwt._cli.launch import worker_process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -41,9 +41,9 @@ def test_every_example_starts_with_a_docstring_and_is_tested() -> None:
 
 def test_examples_use_only_public_names() -> None:
     allowed_private = {
-        "asyncwt._launch",  # worker_process: starts `asyncwt worker`
-        "asyncwt._checksum",  # model_checksum: what GET /weights_status reports
-        "asyncwt._server",  # build_app: the worker server, for extra routes
+        "asyncwt._cli.launch",  # worker_process: starts `asyncwt worker`
+        "asyncwt._core.checksum",  # model_checksum: what GET /weights_status reports
+        "asyncwt._worker.server",  # build_app: the worker server, for extra routes
     }
     for path in EXAMPLES.glob("*.py"):
         for module in re.findall(r"^\s*from (asyncwt\.\w+) import", path.read_text(), re.MULTILINE):

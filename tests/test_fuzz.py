@@ -88,10 +88,9 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._link import Peer, connect_link
-from asyncwt._plan import TransferPlan
-from asyncwt._server import build_app
-from asyncwt._wire import (
+from asyncwt._core.plan import TransferPlan
+from asyncwt._transports.link import Peer, connect_link
+from asyncwt._transports.wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
     FRAME_MAGIC,
@@ -108,7 +107,8 @@ from asyncwt._wire import (
     pack_proof,
     pack_result,
 )
-from asyncwt._worker_engine import ReceivePool
+from asyncwt._worker.engine import ReceivePool
+from asyncwt._worker.server import build_app
 
 # -- how many cases ran -----------------------------------------------------------------
 

@@ -22,15 +22,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import asyncwt._cuda_ipc as cuda_ipc
-import asyncwt._torch_dist as torch_dist
+import asyncwt._transports.cuda_ipc as cuda_ipc
+import asyncwt._transports.torch_dist as torch_dist
 from asyncwt import ModuleSource, SyncTrainerEngine, TcpTrainerInitInfo, trainer_init
-from asyncwt._device import resolve_device
-from asyncwt._exceptions import TransferError
-from asyncwt._lanes import DeviceLane, LaneEvent
-from asyncwt._pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
-from asyncwt._plan import Bucket, TransferPlan
-from asyncwt._torch_dist import TorchDistSender, TorchDistTrainerInitInfo
+from asyncwt._core.device import resolve_device
+from asyncwt._core.errors import TransferError
+from asyncwt._core.plan import Bucket, TransferPlan
+from asyncwt._trainer.lanes import DeviceLane, LaneEvent
+from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
+from asyncwt._transports.torch_dist import TorchDistSender, TorchDistTrainerInitInfo
 
 BUCKET_BYTES = 4096
 
@@ -123,7 +123,7 @@ def test_a_lane_needs_the_gpu_index() -> None:
 def test_the_blocking_facade_resolves_the_device_in_the_callers_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import asyncwt._sync as sync
+    import asyncwt._trainer.blocking as sync
 
     threads: list[threading.Thread] = []
     real = sync.resolve_device
@@ -295,7 +295,7 @@ def test_every_cuda_event_sleeps_instead_of_spinning(monkeypatch: pytest.MonkeyP
     lane = DeviceLane(torch.device("cuda", 1))
     lane.record()
     lane.record_caller()
-    from asyncwt._lanes import wait_for_stream
+    from asyncwt._trainer.lanes import wait_for_stream
 
     wait_for_stream(_FakeStream())
     anyio.run(DeviceLane.wait, lane.record())
@@ -376,7 +376,7 @@ torch.cuda.init = spy("init", torch.cuda.init)
 torch.cuda._lazy_init = spy("_lazy_init", torch.cuda._lazy_init)
 if hasattr(torch._C, "_cuda_getDeviceCount"):  # CUDA builds only
     torch._C._cuda_getDeviceCount = spy("_cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
-import asyncwt, asyncwt._vllm_plugin, asyncwt._cuda_ipc, asyncwt._torch_dist
+import asyncwt, asyncwt._vllm.plugin, asyncwt._transports.cuda_ipc, asyncwt._transports.torch_dist
 print(calls, torch.cuda.is_initialized())
 """
 

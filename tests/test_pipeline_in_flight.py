@@ -11,11 +11,11 @@ import anyio
 import pytest
 import torch
 
-from asyncwt._bytes import byte_view
-from asyncwt._lanes import DeviceLane
-from asyncwt._pipeline import PipelineConfig, Settle, StagingPool, run_pipeline
-from asyncwt._plan import Bucket, TransferPlan
-from asyncwt._source import ModuleSource
+from asyncwt._core.bytes import byte_view
+from asyncwt._core.plan import Bucket, TransferPlan
+from asyncwt._core.source import ModuleSource
+from asyncwt._trainer.lanes import DeviceLane
+from asyncwt._trainer.pipeline import PipelineConfig, Settle, StagingPool, run_pipeline
 
 pytestmark = pytest.mark.asyncio
 

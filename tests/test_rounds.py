@@ -38,9 +38,9 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._launch import worker_process
-from asyncwt._rounds import RoundState
-from asyncwt._server import build_app
+from asyncwt._cli.launch import worker_process
+from asyncwt._worker.rounds import RoundState
+from asyncwt._worker.server import build_app
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

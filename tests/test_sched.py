@@ -1,4 +1,4 @@
-"""The scheduling hint for threads that mostly wait (`asyncwt._sched`)."""
+"""The scheduling hint for threads that mostly wait (`asyncwt._core.sched`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import pytest
 
-from asyncwt import _sched
-from asyncwt._sched import (
+from asyncwt._core import sched as _sched
+from asyncwt._core.sched import (
     BULK_SLICE_NS,
     SHORT_SLICE_NS,
     bulk_work,

@@ -32,9 +32,8 @@ from asyncwt import (
     create_worker_engine,
     trainer_init,
 )
-from asyncwt._link import connect_link
-from asyncwt._server import DEFAULT_MAX_BODY_BYTES, build_app
-from asyncwt._wire import (
+from asyncwt._transports.link import connect_link
+from asyncwt._transports.wire import (
     CHALLENGE_SIZE,
     HandshakeStatus,
     pack_challenge,
@@ -42,6 +41,7 @@ from asyncwt._wire import (
     pack_proof,
     pack_result,
 )
+from asyncwt._worker.server import DEFAULT_MAX_BODY_BYTES, build_app
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 PACKAGE = Path(asyncwt.__file__).resolve().parent
@@ -314,7 +314,7 @@ async def test_a_worker_with_an_api_key_refuses_every_route_without_it(how: str)
     from _faults import assert_worker_has, worker_env
 
     from asyncwt import HttpClient
-    from asyncwt._launch import worker_process
+    from asyncwt._cli.launch import worker_process
 
     key = secrets.token_urlsafe(24)
     if how == "flag-on-loopback":
@@ -368,7 +368,7 @@ def test_the_worker_refuses_to_serve_beyond_loopback_without_an_api_key() -> Non
 
 
 def test_serve_checks_the_api_key_before_binding() -> None:
-    from asyncwt._server import check_api_key, is_loopback
+    from asyncwt._worker.server import check_api_key, is_loopback
 
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::")] == [
         True,
@@ -393,7 +393,7 @@ async def test_a_round_from_a_stranger_cannot_break_the_trainers_link() -> None:
     from _faults import SMALL_TIMEOUTS, assert_worker_has, worker_env
 
     from asyncwt import HttpClient
-    from asyncwt._launch import worker_process
+    from asyncwt._cli.launch import worker_process
 
     with worker_process("_models:mixed", "--backend", "tcp", env=worker_env()) as url:
         async with HttpClient(url) as client, HttpClient(url) as stranger:

@@ -29,9 +29,9 @@ from _server_models import FAKE_BACKEND, FakeEngine, tiny
 
 import asyncwt
 from asyncwt import ControlPlaneError, TransferAbortedError
-from asyncwt._checksum import model_checksum
-from asyncwt._http_client import HttpClient
-from asyncwt._local_client import LocalClient, finish_engine_round
+from asyncwt._control.http import HttpClient
+from asyncwt._control.local import LocalClient, finish_engine_round
+from asyncwt._core.checksum import model_checksum
 
 TESTS_DIR = Path(__file__).resolve().parent
 STARTUP_TIMEOUT_S = 60.0

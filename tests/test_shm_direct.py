@@ -25,8 +25,17 @@ from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
 from _fuzzkit import trainer_links
 
 from asyncwt import HttpClient, ModuleSource, ProtocolError, TransferError, trainer_init
-from asyncwt._bytes import byte_view
-from asyncwt._cma import (
+from asyncwt._cli.launch import worker_process
+from asyncwt._core.bytes import byte_view
+from asyncwt._core.plan import TransferPlan
+from asyncwt._transports.link import Peer, WorkerLink
+from asyncwt._transports.shm.backend import (
+    ShmReceiver,
+    ShmSender,
+    ShmTrainerInitInfo,
+    ShmWorkerInitInfo,
+)
+from asyncwt._transports.shm.cma import (
     PROBE_BYTES,
     ReadProbe,
     buffer_address,
@@ -34,19 +43,15 @@ from asyncwt._cma import (
     probe_reads,
     read_from,
 )
-from asyncwt._launch import worker_process
-from asyncwt._link import Peer, WorkerLink
-from asyncwt._plan import TransferPlan
-from asyncwt._shm import ShmReceiver, ShmSender, ShmTrainerInitInfo, ShmWorkerInitInfo
-from asyncwt._wire import Frame, FrameKind, digest_prefix
-from asyncwt._worker_engine import ReceivePool
+from asyncwt._transports.wire import Frame, FrameKind, digest_prefix
+from asyncwt._worker.engine import ReceivePool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
 def _probe_from_child(probe: ReadProbe) -> str:
     code = (
-        "import sys; from asyncwt._cma import ReadProbe, probe_reads; "
+        "import sys; from asyncwt._transports.shm.cma import ReadProbe, probe_reads; "
         "print(probe_reads(ReadProbe(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))"
     )
     args = [sys.executable, "-c", code, str(probe.pid), str(probe.address), probe.nonce]
@@ -274,7 +279,7 @@ def test_a_ready_that_claims_direct_reads_needs_the_offer(offered: bool) -> None
 def probe_elsewhere() -> Iterator[ReadProbe]:
     """A read probe held by another process (a child that waits on its stdin)."""
     code = (
-        "import sys; from asyncwt._cma import ReadProbe; probe, buffer = ReadProbe.create(); "
+        "import sys; from asyncwt._transports.shm.cma import ReadProbe; probe, buffer = ReadProbe.create(); "
         "print(probe.pid, probe.address, probe.nonce, flush=True); sys.stdin.read()"
     )
     with subprocess.Popen(

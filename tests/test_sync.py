@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from asyncwt import HttpClient, ModuleSource, SyncTrainerEngine, TcpTrainerInitInfo
-from asyncwt._checksum import model_checksum
-from asyncwt._launch import worker_process
-from asyncwt._worker import WeightTransferConfig
+from asyncwt._cli.launch import worker_process
+from asyncwt._core.checksum import model_checksum
+from asyncwt._worker.base import WeightTransferConfig
 
 TESTS = Path(__file__).resolve().parent
 

@@ -12,9 +12,13 @@ import pytest
 import torch
 
 from asyncwt import ControlPlaneError, HttpClient, ModuleSource, _torch_dist, trainer_init
-from asyncwt._launch import worker_process
-from asyncwt._plan import TransferPlan
-from asyncwt._torch_dist import TorchDistTrainerInitInfo, TorchDistWorkerInitInfo, gpu_uuid
+from asyncwt._cli.launch import worker_process
+from asyncwt._core.plan import TransferPlan
+from asyncwt._transports.torch_dist import (
+    TorchDistTrainerInitInfo,
+    TorchDistWorkerInitInfo,
+    gpu_uuid,
+)
 
 TESTS = Path(__file__).resolve().parent
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from asyncwt import _torch_dist
-from asyncwt._exceptions import TransferAbortedError
-from asyncwt._plan import TransferPlan
-from asyncwt._source import ModuleSource
-from asyncwt._worker_engine import ReceivePool
+from asyncwt._core.errors import TransferAbortedError
+from asyncwt._core.plan import TransferPlan
+from asyncwt._core.source import ModuleSource
+from asyncwt._transports import torch_dist as _torch_dist
+from asyncwt._worker.engine import ReceivePool
 
 BUFFERS = 2
 

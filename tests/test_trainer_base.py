@@ -18,7 +18,7 @@ from asyncwt import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from asyncwt._client import call_client
+from asyncwt._control.protocol import call_client
 
 
 @dataclass

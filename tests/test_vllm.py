@@ -77,7 +77,7 @@ def vllm_env(tmp: Path) -> dict[str, str]:
 
 def test_importing_asyncwt_and_its_vllm_modules_does_not_import_vllm() -> None:
     code = (
-        "import sys, asyncwt, asyncwt._vllm_plugin, asyncwt._vllm_worker, asyncwt._vllm_trainer; "
+        "import sys, asyncwt, asyncwt._vllm.plugin, asyncwt._vllm.worker, asyncwt._vllm.trainer; "
         "sys.exit('vllm' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0
@@ -94,8 +94,8 @@ def test_plugin_registers_every_backend_in_both_vllm_factories() -> None:
         WeightTransferTrainerFactory,
     )
 
-    from asyncwt._vllm_plugin import register
-    from asyncwt._worker_engine import DeferredWorkerEngine
+    from asyncwt._vllm.plugin import register
+    from asyncwt._worker.engine import DeferredWorkerEngine
 
     register()
     register()  # vLLM may load a plugin more than once: a no-op

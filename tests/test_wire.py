@@ -1,7 +1,7 @@
 import pytest
 
 from asyncwt import AuthenticationError, PlanMismatchError, ProtocolError
-from asyncwt._wire import (
+from asyncwt._transports.wire import (
     FRAME_SIZE,
     Frame,
     FrameKind,

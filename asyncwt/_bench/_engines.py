@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from .._checksum import model_checksum
-from .._http_client import HttpClient
+from .._control.http import HttpClient
+from .._core.checksum import model_checksum
+from .._core.source import ModuleSource, WeightSource
+from .._core.stats import RoundStats
 from .._registry import registered_backends, trainer_init
-from .._source import ModuleSource, WeightSource
-from .._stats import RoundStats
-from .._trainer import TrainerInitInfo
+from .._trainer.base import TrainerInitInfo
 from ._cpu import CpuMeter, median_cores
 from ._memory import MemoryProbe
 from ._model import LlamaShape, SyntheticLlama, fill_random
@@ -114,9 +114,9 @@ class BackendEntry:
 
 
 BACKENDS: tuple[BackendEntry, ...] = (
-    BackendEntry(name="tcp", info_class="asyncwt._tcp_info:TcpTrainerInitInfo"),
-    BackendEntry(name="shm", info_class="asyncwt._shm:ShmTrainerInitInfo"),
-    BackendEntry(name="torch_dist", info_class="asyncwt._torch_dist:TorchDistTrainerInitInfo"),
+    BackendEntry(name="tcp", info_class="asyncwt._transports.tcp.settings:TcpTrainerInitInfo"),
+    BackendEntry(name="shm", info_class="asyncwt._transports.shm.backend:ShmTrainerInitInfo"),
+    BackendEntry(name="torch_dist", info_class="asyncwt._transports.torch_dist:TorchDistTrainerInitInfo"),
 )
 """Every backend the benchmark can run, in report order; a new one is one entry."""
 

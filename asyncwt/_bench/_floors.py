@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .._plan import TransferPlan
+from .._core.plan import TransferPlan
 
 __all__ = ["gather_wire_floors", "transform_floor"]
 

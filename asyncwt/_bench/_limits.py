@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from .._bytes import byte_view, empty_bytes
+from .._core.bytes import byte_view, empty_bytes
 from ._cpu import CpuMeter, median_cores
 from ._procs import READY, Child, connect_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all

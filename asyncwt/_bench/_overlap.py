@@ -30,10 +30,10 @@ from functools import cached_property
 
 import torch
 
-from .._applier import DeferredApplier, ModelTarget, bucket_parts
-from .._meta import ParamMeta
-from .._plan import TransferPlan
-from .._source import ModuleSource, WeightSource
+from .._core.meta import ParamMeta
+from .._core.plan import TransferPlan
+from .._core.source import ModuleSource, WeightSource
+from .._worker.applier import DeferredApplier, ModelTarget, bucket_parts
 
 __all__ = [
     "TRANSFORM_ENV",

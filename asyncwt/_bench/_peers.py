@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from .._bytes import byte_view, empty_bytes
-from .._checksum import model_checksum
-from .._plan import TransferPlan
-from .._source import ModuleSource
+from .._core.bytes import byte_view, empty_bytes
+from .._core.checksum import model_checksum
+from .._core.plan import TransferPlan
+from .._core.source import ModuleSource
 from ._memory import MemoryProbe
 from ._model import LlamaShape, worker_model_for
 from ._procs import READY, Child, connect_child, start_child

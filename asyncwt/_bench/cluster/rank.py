@@ -51,7 +51,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from ..._checksum import model_checksum
+    from ..._core.checksum import model_checksum
     from .._model import LlamaShape, SyntheticLlama, fill_random
     from .._util import run_async
 

@@ -1,0 +1,1 @@
+"""The `asyncwt` command line: `worker`, `demo`, and starting a worker in a child process."""

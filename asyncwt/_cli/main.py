@@ -1,0 +1,270 @@
+"""The `asyncwt` command line: `asyncwt worker` serves a model; `asyncwt demo` shows a round trip."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from .._core.concurrency import unwrap_group
+from .._worker.base import WeightTransferConfig
+from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
+
+if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["main"]
+
+logger = logging.getLogger("asyncwt.cli")
+
+Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `asyncwt` command line with `argv` (default `sys.argv[1:]`); the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="asyncwt", description="Move a trainer's weights into running inference workers."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser(
+        "worker",
+        help="serve a model behind vLLM's weight-transfer HTTP routes",
+        description=(
+            "Build a model from a factory and serve it behind vLLM's weight-transfer "
+            "routes. Prints 'asyncwt worker listening on http://HOST:PORT' once "
+            "listening; stops cleanly (exit 0) on SIGTERM or SIGINT."
+        ),
+    )
+    worker.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="zero-argument callable returning a torch.nn.Module, e.g. mypkg.models:tiny",
+    )
+    worker.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=(
+            "import MODULE first, e.g. one that registers a worker engine backend with "
+            "asyncwt.register_worker_engine (repeatable; the --model module is imported "
+            "before the engine is built too, so it may register backends itself)"
+        ),
+    )
+    worker.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    worker.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=(
+            f"require 'Authorization: Bearer KEY' on every route (default: ${API_KEY_ENV}); "
+            "required unless --host is loopback"
+        ),
+    )
+    worker.add_argument(
+        "--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)"
+    )
+    worker.add_argument(
+        "--backend", default="tcp", help="worker engine backend (default %(default)s)"
+    )
+    worker.add_argument(
+        "--apply-threads",
+        type=int,
+        default=WeightTransferConfig.apply_threads,
+        metavar="N",
+        help="background threads applying received weights (default %(default)s)",
+    )
+    worker.add_argument(
+        "--transform",
+        metavar="MODULE:FUNCTION",
+        help=(
+            "per-parameter hook (name, tensor) -> tensor run on the apply threads before "
+            "loading, e.g. a cast or a quantiser"
+        ),
+    )
+    worker.add_argument(
+        "--transform-elementwise",
+        action="store_true",
+        help=(
+            "the --transform works element by element (a cast): it may be given any run "
+            "of a parameter's elements, flat, so chunks land as they arrive and a bucket's "
+            "work is shared among the apply threads"
+        ),
+    )
+    worker.add_argument(
+        "--staged",
+        action="store_true",
+        help=(
+            "receive each round into a shadow copy of the weights and move it into the "
+            "model only when the round completed: a failed round leaves the previous "
+            "weights intact (costs one extra copy of the weights)"
+        ),
+    )
+    worker.set_defaults(run=_worker_command)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model and push its weights to a worker process after each step",
+    )
+    demo.add_argument("--steps", type=int, default=5, help="training steps (default %(default)s)")
+    demo.set_defaults(run=_demo_command)
+
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark weight transfer across processes (asyncwt bench --help)",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench_command)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own options (argparse would not pass `--help` through).
+        return _bench_command(argparse.Namespace(bench_args=argv[1:]), parser)
+    args = parser.parse_args(argv)
+    run: Command = args.run
+    return run(args, parser)
+
+
+def _demo_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.steps < 1:
+        parser.error(f"--steps should be >= 1, got {args.steps}")
+    from .demo import main as demo_main
+
+    return demo_main(args.steps)
+
+
+def _bench_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .._bench import main as bench_main
+
+    result: int = bench_main(args.bench_args)
+    return result
+
+
+def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            parser.error(f"--import {module}: {exc}")
+    transform = _import_object(args.transform, "--transform", parser) if args.transform else None
+    try:
+        config = WeightTransferConfig(
+            backend=args.backend,
+            apply_threads=args.apply_threads,
+            transform=transform,  # type: ignore[arg-type]  # checked callable; signature is the user's
+            transform_elementwise=args.transform_elementwise,
+            staged=args.staged,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        check_api_key(api_key, args.host)
+    except ValueError as exc:
+        print(f"asyncwt worker: error: {exc}", file=sys.stderr)
+        return 1
+    model = _build_model(args.model, parser)
+    try:
+        anyio.run(
+            _serve_until_signal,
+            model,
+            config,
+            args.host,
+            args.port,
+            api_key,
+            backend="asyncio",
+            backend_options={"use_uvloop": _uvloop_installed()},
+        )
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the top level: report any startup failure
+        print(f"asyncwt worker: error: {_describe(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _import_object(spec: str, option: str, parser: argparse.ArgumentParser) -> Callable[..., object]:
+    """Import `MODULE:NAME` (NAME may be dotted) and check that it is callable."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        parser.error(f"{option} should be MODULE:NAME, got {spec!r}")
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        parser.error(f"{option} {spec}: cannot import {module_name}: {exc}")
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError:
+            parser.error(f"{option} {spec}: {module_name} has no attribute {attr_path!r}")
+    if not callable(target):
+        parser.error(f"{option} {spec}: {attr_path} should be callable, got {type(target).__name__}")
+    return target
+
+
+def _build_model(spec: str, parser: argparse.ArgumentParser) -> torch.nn.Module:
+    """Import `MODULE:FACTORY` and call it."""
+    model = _import_object(spec, "--model", parser)()
+    if not isinstance(model, torch.nn.Module):
+        parser.error(f"--model {spec}: the factory returned {type(model).__name__}, not nn.Module")
+    return model
+
+
+def _uvloop_installed() -> bool:
+    """Whether uvloop can be imported: the worker runs on it when it can."""
+    return importlib.util.find_spec("uvloop") is not None
+
+
+async def _serve_until_signal(
+    model: torch.nn.Module,
+    config: WeightTransferConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
+) -> None:
+    """Serve until SIGTERM or SIGINT; then stop cleanly."""
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        print(f"asyncwt worker listening on {format_url(bound_host, bound_port)}", flush=True)
+
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                functools.partial(
+                    serve,
+                    model,
+                    config=config,
+                    host=host,
+                    port=port,
+                    ready=ready,
+                    api_key=api_key,
+                )
+            )
+            async for signum in signals:
+                logger.info("received %s, stopping", signal.Signals(signum).name)
+                break
+            tg.cancel_scope.cancel()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line per underlying error of `exc` (task groups wrap them)."""
+    if isinstance(exc, BaseExceptionGroup):
+        exc = unwrap_group(exc)
+    notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
+    return f"{type(exc).__name__}: {exc}{notes}"

@@ -1,0 +1,224 @@
+"""An async control-plane client speaking vLLM's weight-transfer HTTP routes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from typing_extensions import Self
+
+from .._core.concurrency import fan_out
+from .._core.errors import ControlPlaneError
+from .protocol import WeightTransferUpdatePayload
+
+__all__ = ["HttpClient"]
+
+_MAX_ERROR_CHARS = 500
+
+
+class HttpClient:
+    """An `AsyncWeightSyncClient` over one or more workers' HTTP servers.
+
+    Speaks vLLM's routes (`POST /init_weight_transfer_engine {"init_info"}`,
+    `/start_weight_update`, `/update_weights {"update_info"}`,
+    `/finish_weight_update {"weight_version"}`, `/shutdown_weight_transfer_engine`),
+    so the same trainer code drives an `asyncwt worker` or a vLLM server. With several
+    base URLs each call goes to all of them concurrently (see `fan_out`): a worker's
+    `update_weights` answers only once it received the whole round.
+
+    One `aiohttp.ClientSession`, created on first use inside the running loop; close
+    it with `await client.close()` or `async with HttpClient(...)`.
+
+    Args:
+        base_urls: `http://host:port` of each worker (a trailing `/` is ignored).
+        timeout: seconds a single call may take in all; `update_weights` lasts a
+            whole round, so keep it generous.
+        api_key: the workers' API key (`asyncwt worker --api-key`), sent with every
+            request as `Authorization: Bearer <api_key>`; None sends none.
+
+    Raises:
+        ControlPlaneError: from every call, when a worker answers non-2xx (the
+            message names the URL, route, status and the worker's error) or cannot be
+            reached.
+    """
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        *,
+        timeout: float = 300.0,
+        api_key: str | None = None,
+    ) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("base_urls should name at least one worker URL, got none")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_urls should be http(s):// URLs, got {url!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout should be > 0 seconds, got {timeout!r}")
+        if api_key is not None and (
+            not isinstance(api_key, str) or not api_key or not api_key.isprintable()
+        ):
+            raise ValueError("api_key should be a non-empty printable str or None")
+        self.base_urls: tuple[str, ...] = tuple(url.rstrip("/") for url in urls)
+        self.timeout = timeout
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout), headers=self._headers
+            )
+        return self._session
+
+    async def _request(self, method: str, base_url: str, route: str, body: Any) -> Any:
+        """One call to one worker: the decoded JSON answer (None if not JSON)."""
+        url = base_url + route
+        try:
+            async with self._get_session().request(method, url, json=body) as response:
+                if response.status // 100 != 2:
+                    detail = await _error_detail(response)
+                    raise ControlPlaneError(
+                        f"{method} {route} to {base_url} failed with HTTP {response.status}: "
+                        f"{detail}"
+                    )
+                if response.content_type != "application/json":
+                    return None
+                return await response.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            reason = str(exc) or f"no answer within {self.timeout} s"
+            raise ControlPlaneError(
+                f"{method} {route} to {base_url} failed: {type(exc).__name__}: {reason}"
+            ) from exc
+
+    async def _post_all(self, route: str, body: dict[str, Any]) -> None:
+        await fan_out(
+            [functools.partial(self._request, "POST", url, route, body) for url in self.base_urls]
+        )
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """POST `/init_weight_transfer_engine` to every worker.
+
+        Cancellation: the requests are abandoned; a worker may still complete its init.
+        """
+        await self._post_all("/init_weight_transfer_engine", {"init_info": init_info})
+
+    async def start_weight_update(
+        self, *, round_id: int | None = None, trainer_id: str | None = None
+    ) -> None:
+        """POST `/start_weight_update` to every worker.
+
+        `round_id` and `trainer_id` (optional; the trainer engine sends them) name the
+        round: a worker then refuses updates and finishes of any other round.
+
+        Cancellation: the requests are abandoned; a worker may still start the round.
+        """
+        await self._post_all("/start_weight_update", _round_body(round_id, trainer_id))
+
+    async def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        """POST `/update_weights` to every worker; returns when all received the round.
+
+        Cancellation: the requests are abandoned; each worker keeps receiving until
+        its transport finishes or aborts, so the sender must abort the round.
+        """
+        await self._post_all("/update_weights", {"update_info": update_info})
+
+    async def finish_weight_update(
+        self,
+        weight_version: str | None = None,
+        *,
+        round_id: int | None = None,
+        trainer_id: str | None = None,
+    ) -> None:
+        """POST `/finish_weight_update`: every worker drains and publishes `weight_version`.
+
+        `round_id` and `trainer_id` (optional) name the round to close: a worker
+        refuses (409) a finish for any round but the one open.
+
+        Cancellation: the requests are abandoned; workers may still publish.
+        """
+        body = {"weight_version": weight_version, **_round_body(round_id, trainer_id)}
+        await self._post_all("/finish_weight_update", body)
+
+    async def shutdown(self) -> None:
+        """POST `/shutdown_weight_transfer_engine`: release every worker's transport.
+
+        The workers keep serving (a later init sets the transport up again), and this
+        client stays open. Cancellation: workers may still shut their transport down.
+        """
+        await self._post_all("/shutdown_weight_transfer_engine", {})
+
+    async def weights_status(self) -> list[dict[str, Any]]:
+        """GET `/weights_status` from every worker, concurrently, in `base_urls` order.
+
+        Each dict holds `weight_version` (the last round that completed),
+        `weights_incomplete` (whether a failed round left the model half-updated),
+        `checksum` (see `model_checksum`), `backend` and `initialized`. Cancellation:
+        the requests are abandoned; nothing changes remotely.
+        """
+        results: list[dict[str, Any]] = [{} for _ in self.base_urls]
+
+        async def fetch(index: int) -> None:
+            url = self.base_urls[index]
+            answer = await self._request("GET", url, "/weights_status", None)
+            if not isinstance(answer, dict):
+                raise ControlPlaneError(
+                    f"GET /weights_status to {url} answered {type(answer).__name__}, "
+                    "expected a JSON object"
+                )
+            results[index] = answer
+
+        await fan_out([functools.partial(fetch, i) for i in range(len(self.base_urls))])
+        return results
+
+    async def close(self) -> None:
+        """Close the HTTP session. Idempotent; a later call opens a new one.
+
+        Cancellation: the session may be left half-closed.
+        """
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _round_body(round_id: int | None, trainer_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if round_id is not None:
+        body["round_id"] = round_id
+    if trainer_id is not None:
+        body["trainer_id"] = trainer_id
+    return body
+
+
+async def _error_detail(response: aiohttp.ClientResponse) -> str:
+    """The worker's error message: `{"error": ...}` if it sent one, else the body text."""
+    text = await response.text(errors="replace")
+    detail: object = text
+    if response.content_type == "application/json":
+        try:
+            body = await response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "error" in body:
+            detail = body["error"]
+    message = str(detail).strip() or response.reason or "no error message"
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[:_MAX_ERROR_CHARS] + "..."
+    return message

@@ -1,0 +1,203 @@
+"""Init and update infos shared by every pipelined backend (tcp, shm, torch_dist)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._worker.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
+
+__all__ = [
+    "PipelineSettings",
+    "RoundUpdateInfo",
+    "WorkerPlanInfo",
+    "check_at_most",
+    "check_positive",
+]
+
+_TIMEOUTS = (
+    "connect_timeout",
+    "send_timeout",
+    "ready_timeout",
+    "recv_timeout",
+    "drain_timeout",
+    "rpc_timeout",
+)
+MAX_NUM_BUFFERS = 64
+"""Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
+on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Upper bound on every timeout: a week is "no timeout" for a weight sync, and far
+larger values overflow the sockets' and threads' own limits."""
+MAX_ROUND_ID = 2**64 - 1
+"""Round ids travel in frame headers as unsigned 64-bit integers."""
+
+
+def check_positive(name: str, value: object, kind: type = int) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a positive int (or finite float)."""
+    allowed = (int, float) if kind is float else (int,)
+    ok = isinstance(value, allowed) and not isinstance(value, bool)
+    if not ok or not value > 0 or not math.isfinite(value):  # type: ignore[operator,arg-type]
+        raise ValueError(f"{name} should be a positive {kind.__name__}, got {value!r}")
+
+
+def check_at_most(name: str, value: int, limit: int) -> None:
+    """Raise `ValueError` naming `name` if `value` (already checked positive) exceeds `limit`."""
+    if value > limit:
+        raise ValueError(f"{name} should be at most {limit}, got {value}")
+
+
+def check_timeout(name: str, value: object) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a number of seconds in
+    (0, `MAX_TIMEOUT_S`]."""
+    check_positive(name, value, float)
+    check_at_most(name, value, MAX_TIMEOUT_S)  # type: ignore[arg-type]
+
+
+MAX_TRAINER_ID_CHARS = 128
+
+
+def check_trainer_id(value: object) -> None:
+    """Raise `ValueError` unless `value` is a str of at most `MAX_TRAINER_ID_CHARS`."""
+    if not isinstance(value, str) or len(value) > MAX_TRAINER_ID_CHARS:
+        shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
+        raise ValueError(
+            f"trainer_id should be a str of at most {MAX_TRAINER_ID_CHARS} characters, got {shown}"
+        )
+
+
+def check_host(name: str, value: object) -> None:
+    """Raise `ValueError` naming `name` unless `value` is a host name or address a
+    socket can take: a non-empty str of at most 253 characters that IDNA encodes."""
+    if not isinstance(value, str) or not value or len(value) > 253:
+        raise ValueError(
+            f"{name} should be a host name or address (1-253 characters), got {value!r}"
+        )
+    try:
+        value.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"{name} should be a host name or address, got {value!r}") from None
+
+
+@dataclass
+class PipelineSettings:
+    """Wire and pipeline settings every pipelined backend's trainer init info carries.
+
+    A mixin: each backend's `TrainerInitInfo` subclass inherits these fields.
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Size of one bucket: the unit of transfer and of staging memory."""
+    num_buffers: int = 2
+    """Buckets in flight on each side; staging memory is at most num_buffers × bucket_bytes."""
+    alignment: int = DEFAULT_ALIGNMENT
+    """Alignment of each slice inside a receive buffer."""
+    zero_copy: bool = True
+    """Send contiguous CPU tensors in place instead of packing them (transports that can)."""
+    read_ahead: int = 4
+    """Buckets the source may be iterated ahead of the pack stage. A gathering source
+    (FSDP2) keeps about `num_buffers + read_ahead + 2` buckets of gathered tensors
+    alive on rank 0; fewer makes a slow gather stall sooner behind the wire (on the
+    benchmark's two equal stages over tcp, 2 measured 1.16-1.20x the slower stage
+    alone and 4 measured 1.10-1.12x)."""
+    device: str | None = None
+    """Device for lanes and staging. `None` follows the source's tensors (a CPU model
+    stays on the CPU, and a torch_dist trainer on gloo, even on a GPU host); a bare
+    `"cuda"` is the current CUDA device of the thread that calls `trainer_init`."""
+    connect_timeout: float = 60.0
+    """Seconds for init: the workers connecting and passing the handshake (sent to
+    workers, which bound their own connect and handshake by it)."""
+    send_timeout: float = 300.0
+    """Seconds for one bucket to be taken by every worker."""
+    ready_timeout: float = 300.0
+    """Seconds for every worker to start receiving a round."""
+    recv_timeout: float = 300.0
+    """Seconds a worker waits for the next bucket before it gives up (sent to workers)."""
+    drain_timeout: float = 300.0
+    """Seconds a worker waits for its background apply to finish, at
+    `finish_weight_update` and before a new round or init (sent to workers). Past it
+    the round fails with an `ApplyError` naming the stuck bucket: a transform or
+    `load_weights` that never returns."""
+    rpc_timeout: float = 600.0
+    """Seconds one control-plane call may take: `init_weight_transfer_engine`,
+    `start_weight_update`, `finish_weight_update` (which includes the worker's drain,
+    so keep it above `drain_timeout`), and `update_weights` once the last bucket or
+    the abort was sent (while data flows, the data-plane timeouts bound the round).
+    A call still running past it is abandoned (a synchronous client's thread keeps
+    running in the background until the worker answers) and the round fails with a
+    `ControlPlaneError`."""
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        for name in ("bucket_bytes", "num_buffers", "alignment", "read_ahead"):
+            check_positive(name, getattr(self, name))
+        for name in ("num_buffers", "read_ahead"):
+            check_at_most(name, getattr(self, name), MAX_NUM_BUFFERS)
+        for name in _TIMEOUTS:
+            check_timeout(name, getattr(self, name))
+        if not isinstance(self.zero_copy, bool):
+            raise ValueError(f"zero_copy should be a bool, got {self.zero_copy!r}")
+
+    def worker_fields(self) -> dict[str, Any]:
+        """The settings every worker receives at init (besides the plan)."""
+        return {
+            "num_buffers": self.num_buffers,
+            "connect_timeout": self.connect_timeout,
+            "recv_timeout": self.recv_timeout,
+            "drain_timeout": self.drain_timeout,
+        }
+
+
+@dataclass
+class WorkerPlanInfo(WeightTransferInitInfo):
+    """What every pipelined worker receives at init: the plan and its limits."""
+
+    plan: dict[str, Any]
+    """`TransferPlan.to_wire()` of the trainer."""
+    num_buffers: int = 2
+    connect_timeout: float = 60.0
+    recv_timeout: float = 300.0
+    drain_timeout: float = 300.0
+    trainer_id: str = ""
+    """The trainer's id for this init (random, per `trainer_init`): every round's
+    update info must name it. Empty from a trainer that sends none: then unchecked."""
+
+    transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
+    """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
+    that a malformed plan is the caller's error before any engine state changes."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, dict):
+            raise ValueError(f"plan should be a dict, got {type(self.plan).__name__}")
+        self.transfer_plan = TransferPlan.from_wire(self.plan)
+        check_positive("num_buffers", self.num_buffers)
+        check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
+        for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
+            check_timeout(name, getattr(self, name))
+        check_trainer_id(self.trainer_id)
+
+
+@dataclass
+class RoundUpdateInfo(WeightTransferUpdateInfo):
+    """One round, announced to a worker: its number and the plan it follows."""
+
+    round_id: int
+    plan_digest: str
+    trainer_id: str = ""
+    """The id of the trainer sending the round (see `WorkerPlanInfo.trainer_id`)."""
+
+    def __post_init__(self) -> None:
+        check_trainer_id(self.trainer_id)
+        check_positive("round_id", self.round_id)
+        if self.round_id > MAX_ROUND_ID:
+            raise ValueError(
+                f"round_id should be at most {MAX_ROUND_ID} (64 bits), got {self.round_id}"
+            )
+        if not isinstance(self.plan_digest, str) or len(self.plan_digest) != 64:
+            raise ValueError(
+                f"plan_digest should be a 64-character hex str, got {self.plan_digest!r}"
+            )

@@ -1,0 +1,367 @@
+"""The pipelined trainer engine: plan, pipeline and round protocol over any transport.
+
+A backend subclasses `PipelinedTrainerEngine`, names its init info class and
+builds its `SenderTransport`; the rest is here, written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from abc import abstractmethod
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+from typing_extensions import Self
+
+from .._control.protocol import AnyWeightSyncClient, call_client, round_keywords
+from .._core.concurrency import single_error
+from .._core.device import resolve_device
+from .._core.errors import ControlPlaneError
+from .._core.plan import TransferPlan
+from .._core.settings import PipelineSettings
+from .._core.source import WeightSource
+from .._core.stats import RoundStats
+from .._transports.base import SenderTransport
+from .base import TrainerInitInfo, TrainerWeightTransferEngine
+from .lanes import DeviceLane, LaneEvent
+from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
+
+__all__ = ["PipelinedTrainerEngine"]
+
+logger = logging.getLogger("asyncwt")
+
+TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
+
+
+async def bounded_call(
+    client: object, method: str, *args: Any, timeout: float, where: str, **kwargs: Any
+) -> None:
+    """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
+
+    A synchronous client's thread cannot be interrupted: it is left to finish in the
+    background (its result is dropped), so the caller never waits past `timeout`.
+    """
+    with anyio.move_on_after(timeout) as scope:
+        await call_client(client, method, *args, **kwargs)
+    if scope.cancelled_caught:
+        raise ControlPlaneError(
+            f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
+            f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
+            f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
+        )
+
+
+class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
+    """Trainer engine that streams full tensors from rank 0 through the pipeline.
+
+    Every rank builds the same plan from `source.metadata`. Rank 0 owns the
+    transport; every round it calls `start_weight_update`, then runs
+    `update_weights` concurrently with the pipeline (iterate → pack → send), then
+    `finish_weight_update(weight_version)`. Other ranks iterate the source so that
+    their collectives (FSDP all-gathers) line up with rank 0's, and send nothing.
+    """
+
+    init_info_cls: ClassVar[type[TrainerInitInfo]]
+
+    def __init__(
+        self,
+        info: Any,
+        *,
+        client: AnyWeightSyncClient,
+        source: WeightSource,
+        plan: TransferPlan,
+        device: torch.device,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
+        settings: PipelineSettings = info
+        self.info = info
+        self.plan = plan
+        self.source: WeightSource = source
+        self.device = device
+        """Where lanes and staging live: `settings.device` resolved once, with its index."""
+        self._iterate_lane = DeviceLane(device)
+        self._pack_lane = DeviceLane(device)
+        self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
+        self._pipeline = PipelineConfig(
+            num_buffers=settings.num_buffers,
+            zero_copy=settings.zero_copy,
+            queue_depth=settings.read_ahead,
+        )
+        owned = set(source.owned_names(info.rank))
+        self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
+        self.transport: SenderTransport | None = None
+        self.trainer_id = secrets.token_hex(16)
+        """This engine's id, sent to the workers at init and with every round: a worker
+        refuses rounds of any other trainer (a stale one, or a stranger)."""
+        self._rounds = 0
+        self._busy = False
+        self._closed = False
+
+    @classmethod
+    @abstractmethod
+    def make_transport(cls, info: Any, plan: TransferPlan, device: torch.device) -> SenderTransport:
+        """The backend's sending side for rank 0; `device` is the engine's, resolved."""
+
+    @classmethod
+    async def trainer_init(
+        cls,
+        init_info: TInfo,
+        *,
+        client: AnyWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        """Plan from `source.metadata`; on rank 0, open the transport and init the workers.
+
+        The device (`init_info.device`, else the source's) is resolved here, in the
+        calling thread: a bare `"cuda"` is this thread's current CUDA device.
+
+        Cancellation: everything the transport opened is closed; no engine results.
+        """
+        if not isinstance(init_info, cls.init_info_cls):
+            raise TypeError(
+                f"init_info should be a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
+            )
+        if source is None or not source.implements_iter_full():
+            raise ValueError(
+                f"source should be a WeightSource implementing iter_full (rank 0 sends full "
+                f"tensors), got {type(source).__name__}"
+            )
+        settings: PipelineSettings = init_info  # type: ignore[assignment]
+        plan = TransferPlan.build(
+            source.metadata, bucket_bytes=settings.bucket_bytes, alignment=settings.alignment
+        )
+        if init_info.is_sender:
+            owned = set(source.owned_names(0))
+            for meta in plan.params:
+                if meta.name not in owned:
+                    raise ValueError(
+                        f"parameter {meta.name!r} is not owned by rank 0 (owners {meta.owners}); "
+                        f"the {init_info.backend} backend sends every full tensor from rank 0"
+                    )
+        device = resolve_device(settings.device, source)
+        engine = cls(init_info, client=client, source=source, plan=plan, device=device)
+        if init_info.is_sender:
+            transport = cls.make_transport(init_info, plan, device)
+            fields = {
+                "plan": plan.to_wire(),
+                **settings.worker_fields(),
+                "trainer_id": engine.trainer_id,
+            }
+
+            async def init_workers(init_info: dict[str, Any]) -> None:
+                await bounded_call(
+                    client,
+                    "init_weight_transfer_engine",
+                    init_info,
+                    timeout=settings.rpc_timeout,
+                    where="trainer_init",
+                )
+
+            try:
+                await transport.rendezvous(fields, init_workers)
+            except BaseException:
+                transport.close()
+                raise
+            engine.transport = transport
+        return engine
+
+    @property
+    def num_workers(self) -> int:
+        """Workers this (sender) engine reaches; 0 on other ranks."""
+        return self.transport.num_workers if self.transport is not None else 0
+
+    def fence(self) -> LaneEvent:
+        """Mark the work the calling thread has queued on its current stream (the
+        optimizer step, say): a round started with this fence reads the weights only
+        after it. `send_weights` takes it itself; a caller that runs the round from
+        another thread (the blocking façade) takes it in the training thread."""
+        return self._iterate_lane.record_caller()
+
+    async def send_weights(  # type: ignore[override]
+        self, *, weight_version: str | None = None, after: LaneEvent | None = None
+    ) -> RoundStats:
+        """Run one round and return its stats; call it on every trainer rank.
+
+        Every rank first waits (on the device, not the host) for the work queued on
+        the calling thread's current stream, or for `after` (see `fence`): the
+        weights read are those of the step that came before the call.
+
+        Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
+        the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
+        `ControlPlaneError` (a worker's error, or an RPC past `rpc_timeout`), whose
+        message names the round and says whether a new `trainer_init` is needed.
+
+        Cancellation: the round is aborted on every worker (their `update_weights`
+        fails, no version is published), staging slots are released, and the
+        iterate thread stops at its next tensor; the next round starts clean. If
+        `start_weight_update` had not returned yet (the first gathers run during
+        it), there is nothing to abort: no `update_weights` was issued. A
+        bucket already being written finishes first (bounded by `send_timeout`). A
+        cancellation during `finish_weight_update` cannot be taken back: the
+        workers may still publish the round, which arrived completely.
+        """
+        if self._closed:
+            raise RuntimeError("send_weights called after shutdown()")
+        if self._busy:
+            raise RuntimeError(
+                "send_weights is already running on this engine; rounds cannot overlap"
+            )
+        fence = after if after is not None else self.fence()
+        self._busy = True
+        self._rounds += 1
+        round_id = self._rounds
+        started = time.perf_counter()
+        try:
+            if self.transport is None:
+                t0 = time.perf_counter()
+                await anyio.to_thread.run_sync(
+                    iterate_and_check,
+                    self.plan,
+                    self._expected,
+                    self.source,
+                    self._iterate_lane,
+                    fence,
+                )
+                busy = {"iterate": time.perf_counter() - t0}
+                return self._stats(round_id, weight_version, started, busy, sent=False)
+            self.transport.check_usable()
+            busy = await self._sender_round(self.transport, round_id, weight_version, fence)
+            return self._stats(round_id, weight_version, started, busy, sent=True)
+        finally:
+            self._busy = False
+
+    async def _sender_round(
+        self,
+        transport: SenderTransport,
+        round_id: int,
+        weight_version: str | None,
+        fence: LaneEvent,
+    ) -> dict[str, float]:
+        """Open the round while the first tensors are gathered, stream, finish.
+
+        `start_weight_update` and the transport's round opening (every worker
+        READY) run concurrently with the pipeline's iterate stage, which may gather
+        a few buckets ahead; nothing is packed or sent until the round is open.
+        """
+        rpc_timeout = self.info.rpc_timeout
+        where = f"round {round_id}"
+        update_info = {
+            "round_id": round_id,
+            "plan_digest": self.plan.digest,
+            "trainer_id": self.trainer_id,
+        }
+        # The round's ids go to start and finish both, or to neither: a round started
+        # with its ids can only be closed by a finish naming them.
+        ids = {"round_id": round_id, "trainer_id": self.trainer_id}
+        start_ids = round_keywords(self.client, "start_weight_update", **ids)
+        finish_ids = round_keywords(self.client, "finish_weight_update", **ids)
+        if start_ids != ids or finish_ids != ids:
+            start_ids = finish_ids = {}
+        failed = False
+        update_started = False
+        update_done = anyio.Event()
+        opened = anyio.Event()
+        busy: dict[str, float] = {}
+
+        async def update_rpc() -> None:
+            try:
+                await call_client(self.client, "update_weights", update_info)
+            except Exception as exc:
+                if not failed:
+                    raise
+                logger.debug("round %d: update_weights failed after the abort: %r", round_id, exc)
+            finally:
+                update_done.set()
+
+        async def open_round(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal update_started
+            await bounded_call(
+                self.client, "start_weight_update", timeout=rpc_timeout, where=where, **start_ids
+            )
+            tg.start_soon(update_rpc)
+            update_started = True
+            await transport.begin_round(round_id)
+            opened.set()
+
+        with single_error():
+            async with anyio.create_task_group() as tg:
+                try:
+                    with single_error():
+                        async with anyio.create_task_group() as stream:
+                            stream.start_soon(open_round, tg)
+                            busy = await run_pipeline(
+                                self.plan,
+                                self.source,
+                                transport,
+                                pool=self._pool,
+                                iterate_lane=self._iterate_lane,
+                                pack_lane=self._pack_lane,
+                                config=self._pipeline,
+                                fence=fence,
+                                opened=opened,
+                            )
+                    await transport.end_round()
+                except BaseException as exc:
+                    failed = True
+                    if update_started:
+                        with anyio.CancelScope(shield=True):
+                            await transport.abort_round(f"{type(exc).__name__}: {exc}")
+                        if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                            # Let the workers acknowledge the abort (their update_weights
+                            # returns), but no longer than rpc_timeout: the RPC is then
+                            # abandoned by the task group (a sync client's thread included).
+                            with anyio.move_on_after(rpc_timeout):
+                                await update_done.wait()
+                    raise
+                with anyio.move_on_after(rpc_timeout) as scope:
+                    await update_done.wait()
+                if scope.cancelled_caught:
+                    failed = True
+                    raise ControlPlaneError(
+                        f"round {round_id}: every bucket was sent but update_weights did not "
+                        f"return within rpc_timeout={rpc_timeout}s (a worker stalled, or its "
+                        f"control plane is unreachable); nothing was published. Check the "
+                        f"workers, then send again (or trainer_init again if the data plane "
+                        f"broke)"
+                    )
+        await bounded_call(
+            self.client,
+            "finish_weight_update",
+            weight_version,
+            timeout=rpc_timeout,
+            where=where,
+            **finish_ids,
+        )
+        return busy
+
+    def _stats(
+        self,
+        round_id: int,
+        weight_version: str | None,
+        started: float,
+        busy: dict[str, float],
+        *,
+        sent: bool,
+    ) -> RoundStats:
+        stats = RoundStats(
+            round_id=round_id,
+            weight_version=weight_version,
+            bytes=self.plan.total_bytes if sent else 0,
+            buckets=len(self.plan.buckets) if sent else 0,
+            workers=self.num_workers if sent else 0,
+            wall_s=time.perf_counter() - started,
+            stage_busy_s=busy,
+        )
+        logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
+        return stats
+
+    async def shutdown(self) -> None:
+        """Close the transport. Idempotent."""
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()

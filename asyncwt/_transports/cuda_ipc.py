@@ -1,0 +1,262 @@
+"""The `"cuda_ipc"` backend: the bucket ring (see `_ring`) in GPU memory, one node.
+
+The trainer allocates `num_buffers` bucket buffers on its GPU and exports their
+CUDA IPC handles at init; each worker maps them once (no per-bucket re-import).
+Buckets are packed on the pack lane's stream; the send stage waits for that
+stream's event before announcing a slot, and a worker releases a slot only after
+its own stream finished reading it, so a slot is reused only after every reader
+is done.
+
+The ring's memory is never handed back to torch's allocator while the process
+lives: one export is mapped by every worker, and torch's IPC reference count
+(one per export, not per importer) would reach zero when the first worker
+unmaps, letting the allocator reuse memory the others still map. Instead a
+closed sender hands its ring back to a per-process shelf, and the next sender
+of the same device and bucket size takes it from there: a re-init costs no
+memory, and nothing is ever freed under a worker.
+
+Workers find the trainer's GPU by its UUID (the same in every process, whatever
+`CUDA_VISIBLE_DEVICES` numbers it), not by index. Nothing here touches CUDA at
+import: the backend is registered everywhere and says so at init where CUDA is
+missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .._core.errors import TransferError
+from .._core.plan import TransferPlan
+from .._trainer.base import TrainerInitInfo
+from .._trainer.engine import PipelinedTrainerEngine
+from .._worker.engine import DeferredWorkerEngine
+from .base import ReceiverTransport, SenderTransport
+from .shm.ring import RingReceiver, RingSender
+from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from .torch_dist import gpu_uuid
+
+__all__ = [
+    "CudaIpcTrainerEngine",
+    "CudaIpcTrainerInitInfo",
+    "CudaIpcWorkerEngine",
+    "CudaIpcWorkerInitInfo",
+]
+
+_HANDLE_KEYS = {
+    "handle": str,
+    "size": int,
+    "offset": int,
+    "ref_counter_handle": str,
+    "ref_counter_offset": int,
+    "event_sync_required": bool,
+}
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def require_cuda(backend: str = "cuda_ipc") -> None:
+    """Raise `TransferError` saying why, where CUDA is not available."""
+    if not torch.cuda.is_available():
+        raise TransferError(
+            f"the {backend!r} backend needs a CUDA GPU, and torch.cuda.is_available() is False here"
+        )
+
+
+_SHELF: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+"""Ring buffers of closed senders, by (device, bytes): never freed (module docstring)."""
+_SHELF_LOCK = threading.Lock()
+
+
+def take_ring(device: torch.device, nbytes: int, count: int) -> list[torch.Tensor]:
+    """`count` buffers of `nbytes` on `device` for one sender: from the shelf where
+    it has them, newly allocated otherwise. Give them back with `shelve_ring`."""
+    with _SHELF_LOCK:
+        shelf = _SHELF.setdefault((device, nbytes), [])
+        taken = [shelf.pop() for _ in range(min(count, len(shelf)))]
+    while len(taken) < count:
+        taken.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+    return taken
+
+
+def shelve_ring(buffers: list[torch.Tensor]) -> None:
+    """Keep a closed sender's buffers for the next one (workers may still map them)."""
+    with _SHELF_LOCK:
+        for buffer in buffers:
+            _SHELF.setdefault((buffer.device, buffer.numel()), []).append(buffer)
+
+
+def local_index(uuid: str | None, fallback: torch.device) -> int:
+    """The index, in this process, of the GPU whose UUID is `uuid`.
+
+    `None` (a trainer that could not tell) falls back to `fallback`'s index. A GPU
+    this process cannot see is an error that names it: its handles cannot be opened.
+    """
+    if uuid is None:
+        return fallback.index if fallback.index is not None else torch.cuda.current_device()
+    seen = []
+    for index in range(torch.cuda.device_count()):
+        here = gpu_uuid(torch.device("cuda", index))
+        if here == uuid:
+            return index
+        seen.append(here)
+    raise TransferError(
+        f"the trainer's ring is on GPU {uuid}, which this worker cannot see (it sees "
+        f"{seen}); run the worker where that GPU is visible (CUDA_VISIBLE_DEVICES)"
+    )
+
+
+@dataclass
+class CudaIpcTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+    """Trainer-side settings of the `"cuda_ipc"` backend (GPU, one node)."""
+
+    backend: ClassVar[str] = "cuda_ipc"
+
+
+@dataclass
+class CudaIpcWorkerInitInfo(TcpWorkerInitInfo):
+    """What a `"cuda_ipc"` worker receives: the link, and one IPC handle per ring slot."""
+
+    ipc_buffers: list[dict[str, Any]] = field(default_factory=list)
+    ipc_gpu: str | None = None
+    """UUID of the trainer's GPU, where the ring lives."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ipc_gpu is not None and (
+            not isinstance(self.ipc_gpu, str) or not 0 < len(self.ipc_gpu) <= 64
+        ):
+            raise ValueError(
+                f"ipc_gpu should be None or a GPU UUID of 1-64 characters, got {self.ipc_gpu!r}"
+            )
+        if not isinstance(self.ipc_buffers, list) or len(self.ipc_buffers) != self.num_buffers:
+            raise ValueError(
+                f"ipc_buffers should hold num_buffers ({self.num_buffers}) handles, "
+                f"got {type(self.ipc_buffers).__name__} of {len(self.ipc_buffers or [])}"
+            )
+        for index, entry in enumerate(self.ipc_buffers):
+            if not isinstance(entry, dict):
+                raise ValueError(f"ipc_buffers[{index}] should be a dict, got {entry!r}")
+            for key, kind in _HANDLE_KEYS.items():
+                if not isinstance(entry.get(key), kind):
+                    raise ValueError(
+                        f"ipc_buffers[{index}][{key!r}] should be a {kind.__name__}, "
+                        f"got {entry.get(key)!r}"
+                    )
+
+
+class CudaIpcSender(RingSender):
+    """The ring in GPU buffers allocated once; their IPC handles go to the workers."""
+
+    def __init__(
+        self, info: CudaIpcTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> None:
+        require_cuda()
+        if device.type != "cuda":
+            raise ValueError(f"device should be a CUDA device for cuda_ipc, got {device}")
+        super().__init__(info, plan)
+        self.device = device
+        self.set_buffers(take_ring(device, plan.bucket_bytes, info.num_buffers))
+
+    def exported(self) -> dict[str, Any]:
+        handles = []
+        for buffer in self.buffers:
+            (
+                _device,
+                handle,
+                size,
+                offset,
+                ref_counter_handle,
+                ref_counter_offset,
+                event_handle,
+                event_sync_required,
+            ) = buffer.untyped_storage()._share_cuda_()
+            handles.append(
+                {
+                    "handle": _b64(handle),
+                    "size": int(size),
+                    "offset": int(offset),
+                    "ref_counter_handle": _b64(ref_counter_handle),
+                    "ref_counter_offset": int(ref_counter_offset),
+                    "event_handle": _b64(event_handle),
+                    "event_sync_required": bool(event_sync_required),
+                }
+            )
+        return {"ipc_buffers": handles, "ipc_gpu": gpu_uuid(self.device)}
+
+    def close(self) -> None:
+        buffers = self.buffers
+        super().close()
+        shelve_ring(buffers)
+
+
+class CudaIpcReceiver(RingReceiver):
+    """Maps each exported GPU buffer once, on the worker's device."""
+
+    def __init__(
+        self, info: CudaIpcWorkerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> None:
+        super().__init__(info, plan)
+        self.handles = info.ipc_buffers
+        self.gpu = info.ipc_gpu
+        self.device = device
+
+    def map_ring(self) -> list[torch.Tensor]:
+        require_cuda()
+        torch.cuda._lazy_init()
+        index = local_index(self.gpu, self.device)
+        buffers = []
+        for entry in self.handles:
+            if entry["size"] - entry["offset"] < self.plan.bucket_bytes:
+                raise ValueError(
+                    f"an IPC buffer holds {entry['size'] - entry['offset']} bytes, the plan "
+                    f"needs {self.plan.bucket_bytes}"
+                )
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                index,
+                _unb64(entry["handle"]),
+                entry["size"],
+                entry["offset"],
+                _unb64(entry["ref_counter_handle"]),
+                entry["ref_counter_offset"],
+                _unb64(entry.get("event_handle")),
+                entry["event_sync_required"],
+            )
+            typed = torch.storage.TypedStorage(
+                wrap_storage=storage, dtype=torch.uint8, _internal=True
+            )
+            buffers.append(
+                torch._utils._rebuild_tensor(typed, 0, (self.plan.bucket_bytes,), (1,))  # type: ignore[attr-defined]
+            )
+        return buffers
+
+
+class CudaIpcTrainerEngine(PipelinedTrainerEngine[CudaIpcTrainerInitInfo]):
+    """Trainer engine of the `"cuda_ipc"` backend (see the module docstring)."""
+
+    init_info_cls = CudaIpcTrainerInitInfo
+
+    @classmethod
+    def make_transport(
+        cls, info: CudaIpcTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> SenderTransport:
+        return CudaIpcSender(info, plan, device)
+
+
+class CudaIpcWorkerEngine(DeferredWorkerEngine):
+    """Worker engine of the `"cuda_ipc"` backend: applies straight from the mapped ring."""
+
+    init_info_cls = CudaIpcWorkerInitInfo
+
+    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
+        return CudaIpcReceiver(info, plan, self.device)

@@ -1,0 +1,632 @@
+"""The authenticated, framed stream connection between a trainer and each worker.
+
+The TCP backend carries its payload on it; the shared-memory backend carries only
+frame headers and slot releases on it (the payload sits in shared memory). Either
+way the trainer listens during init only, and every worker proves the token with
+the challenge–response in `_wire` before it is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from .._core.concurrency import single_error
+from .._core.errors import (
+    AsyncwtError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from .._core.plan import TransferPlan
+from .base import InitWorkers, SenderTransport
+from .sockio import async_recv_exact, async_send_segments, recv_exact, send_all
+from .wire import (
+    ABORT_REASON_MAX,
+    CHALLENGE_SIZE,
+    FRAME_SIZE,
+    HELLO_SIZE,
+    PROOF_SIZE,
+    RESULT_SIZE,
+    Frame,
+    FrameKind,
+    HandshakeStatus,
+    check_result,
+    digest_prefix,
+    pack_challenge,
+    pack_hello,
+    pack_proof,
+    pack_result,
+    proof_is_valid,
+    unpack_hello,
+    verify_challenge,
+)
+
+__all__ = [
+    "LinkSettings",
+    "LinkedSender",
+    "Peer",
+    "TrainerLinks",
+    "WorkerLink",
+    "connect_link",
+    "read_abort_reason",
+]
+
+logger = logging.getLogger("asyncwt")
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """What the trainer side of the links needs to know."""
+
+    host: str
+    port: int
+    advertise_host: str | None
+    token: str
+    max_workers: int
+    connect_timeout: float
+    send_timeout: float
+    ready_timeout: float
+    max_pending_handshakes: int = 16
+    handshake_timeout: float = 10.0
+
+
+@dataclass(eq=False)
+class Peer:
+    """One authenticated worker connection (trainer side)."""
+
+    sock: socket.socket
+    address: str
+    broken: str | None = None
+    reads_directly: bool = False
+    """Whether its last READY said it reads buckets from this process's memory
+    (BUCKET_AT frames, same host) rather than from a shared ring."""
+
+    def close(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class TrainerLinks:
+    """The trainer's connections to every worker, and frame I/O over all of them."""
+
+    def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.digest = digest_prefix(plan.digest)
+        self.peers: list[Peer] = []
+        self.round_id = 0
+        self.direct_reads = False
+        """Whether workers may read buckets from this process's memory: READY's
+        `slot` 1 says a worker does (see `Peer.reads_directly`)."""
+
+    # -- init -------------------------------------------------------------------------
+
+    async def rendezvous(
+        self,
+        worker_fields: dict[str, Any],
+        init_workers: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        """Listen, run `init_workers(init_info)` while admitting workers, stop listening.
+
+        Cancellation: the listener and every accepted connection are closed.
+        """
+        s = self.settings
+        listener = socket.create_server((s.host, s.port), backlog=128)
+        listener.setblocking(False)
+        peers: list[Peer] = []
+        try:
+            port = listener.getsockname()[1]
+            init_info = {"host": s.advertise_host or s.host, "port": port, "token": s.token}
+            init_info.update(worker_fields)
+            with single_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._accept, listener, peers)
+                    await init_workers(init_info)
+                    tg.cancel_scope.cancel()
+        except BaseException:
+            for peer in peers:
+                peer.close("init failed")
+            raise
+        finally:
+            listener.close()
+        if not peers:
+            raise TransferError(
+                "no worker connected during init_weight_transfer_engine; check that the "
+                f"workers can reach {s.advertise_host or s.host}"
+            )
+        logger.info("asyncwt: %d worker(s) connected and authenticated", len(peers))
+        self.peers = peers
+
+    async def _accept(self, listener: socket.socket, peers: list[Peer]) -> None:
+        """Accept connections and authenticate each in its own task.
+
+        At most `max_pending_handshakes` handshakes run at once; while that many are
+        in flight the listener is not read, so further connections wait in the
+        kernel's backlog instead of costing this process a descriptor and a task each.
+        """
+        loop = asyncio.get_running_loop()
+        slots = anyio.Semaphore(self.settings.max_pending_handshakes)
+        async with anyio.create_task_group() as tg:
+            while True:
+                await slots.acquire()
+                try:
+                    sock, address = await loop.sock_accept(listener)
+                except BaseException:
+                    slots.release()
+                    raise
+                tg.start_soon(self._handshake, sock, f"{address[0]}:{address[1]}", peers, slots)
+
+    async def _handshake(
+        self, sock: socket.socket, address: str, peers: list[Peer], slots: anyio.Semaphore
+    ) -> None:
+        """Authenticate one worker; a failure refuses it without stopping init.
+
+        Bounded by `handshake_timeout`; every outcome other than admission closes the
+        connection. Never raises: a misbehaving peer must not end the rendezvous.
+        """
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        digest = bytes.fromhex(self.plan.digest)
+        registered = answered = False
+        try:
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with anyio.fail_after(min(s.handshake_timeout, s.connect_timeout)):
+                worker_nonce, worker_digest = unpack_hello(await async_recv_exact(sock, HELLO_SIZE))
+                trainer_nonce = secrets.token_bytes(32)
+                challenge = pack_challenge(s.token, worker_nonce, trainer_nonce, digest)
+                await loop.sock_sendall(sock, challenge)
+                proof = await async_recv_exact(sock, PROOF_SIZE)
+                if not proof_is_valid(s.token, worker_nonce, trainer_nonce, digest, proof):
+                    status = HandshakeStatus.BAD_PROOF
+                elif worker_digest != digest:
+                    status = HandshakeStatus.PLAN_MISMATCH
+                elif len(peers) >= s.max_workers:
+                    status = HandshakeStatus.FULL
+                else:
+                    status = HandshakeStatus.OK
+                    peer = Peer(sock, address)
+                    peers.append(peer)  # before the await: concurrent handshakes count it
+                    registered = True
+                await loop.sock_sendall(sock, pack_result(status))
+                if status != HandshakeStatus.OK:
+                    logger.warning("asyncwt: refused worker %s: %s", address, status.name)
+                answered = True
+        except (TimeoutError, OSError, AsyncwtError) as exc:
+            logger.warning("asyncwt: handshake with %s failed: %r", address, exc)
+        finally:
+            slots.release()
+            if registered and not answered:  # failed or cancelled before the worker knew
+                peers.remove(peer)
+                registered = False
+            if not registered:
+                sock.close()
+
+    # -- rounds -----------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        for peer in self.peers:
+            if peer.broken is not None:
+                raise TransferError(
+                    f"the connection to worker {peer.address} is closed ({peer.broken}); "
+                    f"call trainer_init again to reconnect"
+                )
+
+    async def each(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, None]],
+        *args: Any,
+        among: list[Peer] | None = None,
+    ) -> None:
+        """Run `fn(peer, *args)` for every peer (or every peer `among`) concurrently."""
+        with single_error():
+            async with anyio.create_task_group() as tg:
+                for peer in self.peers if among is None else among:
+                    tg.start_soon(fn, peer, *args)
+
+    async def send_frame(self, peer: Peer, segments: list[memoryview], what: str) -> None:
+        """Send one whole frame, or break the connection: never leave it mid-frame.
+
+        Shielded from cancellation (a half-sent frame would desynchronise the
+        stream) and bounded by `send_timeout` instead.
+        """
+        timeout = self.settings.send_timeout
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(timeout):
+                    await async_send_segments(peer.sock, segments)
+            except TimeoutError:
+                peer.close(f"timed out sending {what}")
+                raise TransferTimeoutError(
+                    f"round {self.round_id}: worker {peer.address} did not take {what} within "
+                    f"send_timeout={timeout}s"
+                ) from None
+            except TransferError as exc:
+                peer.close(str(exc))
+                raise TransferError(
+                    f"round {self.round_id}: sending {what} to worker {peer.address} failed: {exc}"
+                ) from exc
+
+    async def send_header(self, peer: Peer, frame: Frame, what: str) -> None:
+        await self.send_frame(peer, [memoryview(frame.pack())], what)
+
+    async def wait_ready(
+        self, round_id: int, on_release: Callable[[Peer, Frame], None] | None = None
+    ) -> None:
+        """Wait for every worker's READY for `round_id` (stale READYs are skipped).
+
+        RELEASE frames that arrive meanwhile go to `on_release` (shared memory).
+        """
+        self.round_id = round_id
+        await self.each(self._wait_ready_one, round_id, on_release)
+
+    def check_from_worker(self, peer: Peer, frame: Frame) -> Frame:
+        """Validate a worker → trainer frame (READY, RELEASE): they carry no payload."""
+        if frame.kind not in (FrameKind.READY, FrameKind.RELEASE):
+            raise self.protocol_error(peer, f"sent a {frame.kind.name} frame, which only the trainer sends")
+        if frame.nbytes != 0:
+            raise self.protocol_error(
+                peer, f"sent a {frame.kind.name} frame announcing {frame.nbytes} payload bytes; it has none"
+            )
+        if frame.digest != self.digest:
+            raise self.protocol_error(
+                peer, f"sent a {frame.kind.name} frame for another plan ({frame.digest.hex()})"
+            )
+        if frame.round_id > self.round_id:
+            raise self.protocol_error(
+                peer, f"sent {frame.kind.name} for round {frame.round_id}, ahead of this trainer"
+            )
+        if frame.kind == FrameKind.RELEASE and frame.index >= len(self.plan.buckets):
+            raise self.protocol_error(
+                peer, f"released bucket {frame.index}; the plan has {len(self.plan.buckets)}"
+            )
+        if frame.kind == FrameKind.READY and (frame.index or frame.slot > self.direct_reads):
+            raise self.protocol_error(
+                peer,
+                f"sent READY with bucket {frame.index} and slot {frame.slot}; bucket should be "
+                f"0 and slot at most {int(self.direct_reads)}",
+            )
+        return frame
+
+    async def read_frame(self, peer: Peer, timeout: float, waiting_for: str) -> Frame:
+        """Read and validate one frame from `peer`, or break the connection trying."""
+        try:
+            with anyio.fail_after(timeout):
+                frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+            return self.check_from_worker(peer, frame)
+        except TimeoutError:
+            peer.close(f"did not send {waiting_for}")
+            raise TransferTimeoutError(
+                f"round {self.round_id}: worker {peer.address} did not send {waiting_for} "
+                f"within {timeout}s; its connection is closed: call trainer_init again to "
+                f"reconnect"
+            ) from None
+        except TransferError as exc:
+            peer.close(str(exc))
+            raise
+
+    async def _wait_ready_one(
+        self, peer: Peer, round_id: int, on_release: Callable[[Peer, Frame], None] | None
+    ) -> None:
+        timeout = self.settings.ready_timeout
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
+                    self.check_from_worker(peer, frame)
+                    if frame.kind == FrameKind.RELEASE and on_release is not None:
+                        on_release(peer, frame)
+                        continue
+                    if frame.kind != FrameKind.READY:
+                        raise self.protocol_error(
+                            peer, f"sent {frame.kind.name} while the trainer waited for READY"
+                        )
+                    if frame.round_id == round_id:
+                        peer.reads_directly = frame.slot == 1
+                        return
+        except TimeoutError:
+            peer.close("did not start receiving")
+            raise TransferTimeoutError(
+                f"round {round_id}: worker {peer.address} did not start receiving within "
+                f"ready_timeout={timeout}s (is its update_weights call running?); its "
+                f"connection is closed: call trainer_init again to reconnect"
+            ) from None
+        except TransferError as exc:
+            peer.close(str(exc))
+            raise
+
+    def protocol_error(self, peer: Peer, what: str) -> ProtocolError:
+        return ProtocolError(f"round {self.round_id}: worker {peer.address} {what}")
+
+    def frame(self, kind: FrameKind, index: int = 0, nbytes: int = 0, slot: int = 0) -> Frame:
+        return Frame(kind, self.round_id, index, self.digest, nbytes, slot)
+
+    async def end_round(self) -> None:
+        end = self.frame(FrameKind.END, index=len(self.plan.buckets))
+        await self.each(self.send_header, end, "the end of the round")
+
+    async def abort_round(self, reason: str) -> None:
+        """Tell every worker the round is off, concurrently; failures are logged, not raised.
+
+        Each send is bounded by `send_timeout` (a worker that does not take it has its
+        connection closed, which ends its round too).
+        """
+        text = reason.encode("utf-8", "replace")[:ABORT_REASON_MAX]
+        header = self.frame(FrameKind.ABORT, nbytes=len(text))
+
+        async def abort_one(peer: Peer) -> None:
+            try:
+                await self.send_frame(peer, [memoryview(header.pack()), memoryview(text)], "abort")
+            except AsyncwtError as exc:
+                logger.warning("could not abort round %d on %s: %s", self.round_id, peer.address, exc)
+
+        async with anyio.create_task_group() as tg:
+            for peer in self.peers:
+                if peer.broken is None:
+                    tg.start_soon(abort_one, peer)
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close("engine shut down")
+
+
+class LinkedSender(SenderTransport):
+    """A sender whose round protocol (READY, END, ABORT) runs over the links.
+
+    Every built-in backend is one: a subclass says only how a bucket's payload
+    travels (`send_bucket`) and adds what its transport needs around the rest.
+    """
+
+    def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
+        self.links = TrainerLinks(settings, plan)
+
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        await self.links.rendezvous(worker_fields, init_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.links.peers)
+
+    def check_usable(self) -> None:
+        self.links.check_usable()
+
+    async def begin_round(self, round_id: int) -> None:
+        await self.links.wait_ready(round_id)
+
+    async def end_round(self) -> None:
+        await self.links.end_round()
+
+    async def abort_round(self, reason: str) -> None:
+        await self.links.abort_round(reason)
+
+    def close(self) -> None:
+        self.links.close()
+
+
+def connect_link(
+    host: str, port: int, token: str, plan: TransferPlan, timeout: float
+) -> socket.socket:
+    """Worker side: connect to the trainer and pass the handshake; a blocking socket.
+
+    The connection and each handshake read or write are bounded by `timeout`.
+    Raises `AuthenticationError` when the trainer does not know the token (or refuses
+    ours), `PlanMismatchError` when its plan differs, `TransferTimeoutError` on a
+    timeout and `TransferError` when the connection fails.
+    """
+    digest = bytes.fromhex(plan.digest)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError as exc:
+        raise TransferTimeoutError(
+            f"could not connect to the trainer at {host}:{port} within connect_timeout="
+            f"{timeout}s; check that the trainer's listener is reachable from this worker"
+        ) from exc
+    except OSError as exc:
+        raise TransferError(
+            f"could not connect to the trainer at {host}:{port}: {exc}; check that the "
+            f"trainer's trainer_init is running and its host is reachable"
+        ) from exc
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_bytes(32)
+        send_all(sock, pack_hello(nonce, digest))
+        trainer_nonce = verify_challenge(token, nonce, digest, recv_exact(sock, CHALLENGE_SIZE))
+        send_all(sock, pack_proof(token, nonce, trainer_nonce, digest))
+        check_result(recv_exact(sock, RESULT_SIZE))
+    except TimeoutError as exc:
+        sock.close()
+        raise TransferTimeoutError(
+            f"handshake with the trainer at {host}:{port} timed out after {timeout}s"
+        ) from exc
+    except OSError as exc:
+        sock.close()
+        raise TransferError(f"handshake with the trainer at {host}:{port} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_abort_reason(sock: socket.socket, frame: Frame) -> str:
+    """The UTF-8 reason that follows an ABORT header (bounded before it is read)."""
+    if frame.nbytes > ABORT_REASON_MAX:
+        raise ProtocolError(
+            f"ABORT reason should be at most {ABORT_REASON_MAX} bytes, header says {frame.nbytes}"
+        )
+    return recv_exact(sock, frame.nbytes).decode("utf-8", "replace")
+
+
+class WorkerLink:
+    """The worker's end of the link: announces rounds, reads and validates frames.
+
+    `slots` is how many values a BUCKET header's `slot` may take (the shared ring's
+    size for `"shm"`, `num_buffers` for `"torch_dist"`, 1 for `"tcp"`): every field
+    of every header is checked before anything it announces is read. A worker that
+    `reads_directly` says so in its READY frames and takes BUCKET_AT frames instead
+    of BUCKET ones.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        plan: TransferPlan,
+        recv_timeout: float,
+        *,
+        slots: int = 1,
+        reads_directly: bool = False,
+    ) -> None:
+        self.sock = sock
+        self.plan = plan
+        self.recv_timeout = recv_timeout
+        self.slots = slots
+        self.reads_directly = reads_directly
+        self.bucket_kind = FrameKind.BUCKET_AT if reads_directly else FrameKind.BUCKET
+        self.digest = digest_prefix(plan.digest)
+        self.broken = False
+        self.bucket: int | None = None
+        """The bucket being received (for error messages), or None between buckets."""
+        self.next_bucket = 0
+        """The bucket whose header comes next (for error messages)."""
+        self._send_lock = threading.Lock()
+
+    def send(self, frame: Frame) -> None:
+        """Send a frame to the trainer (from any thread)."""
+        with self._send_lock:
+            send_all(self.sock, frame.pack())
+
+    def frames(
+        self, round_id: int, after_ready: Callable[[], object] | None = None
+    ) -> Iterator[Frame]:
+        """Announce `round_id` (READY) and yield its BUCKET headers, in order, until END.
+
+        `after_ready` runs once READY is sent (the trainer may now wait on a
+        collective). The caller reads each bucket's payload before asking for the
+        next frame. Every header is checked against the plan before anything else
+        is read.
+        """
+        plan = self.plan
+        self.sock.settimeout(self.recv_timeout)
+        self.bucket, self.next_bucket = None, 0
+        self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0, int(self.reads_directly)))
+        if after_ready is not None:
+            after_ready()
+        expected = 0
+        while True:
+            self.bucket, self.next_bucket = None, expected
+            frame = Frame.unpack(recv_exact(self.sock, FRAME_SIZE))
+            if frame.kind == FrameKind.ABORT:
+                reason = read_abort_reason(self.sock, frame)
+                if frame.round_id < round_id:
+                    continue  # left over from a round this worker never joined
+                raise TransferAbortedError(
+                    f"round {round_id}: the trainer aborted the round after {expected} of "
+                    f"{len(plan.buckets)} buckets: {reason}",
+                    buckets_received=expected,
+                )
+            if frame.round_id != round_id or frame.digest != self.digest:
+                raise ProtocolError(
+                    f"round {round_id}: got a {frame.kind.name} frame for round {frame.round_id} "
+                    f"(plan {frame.digest.hex()}, this worker's is {self.digest.hex()})"
+                )
+            if frame.kind == FrameKind.END:
+                if frame.index != len(plan.buckets) or expected != len(plan.buckets):
+                    raise ProtocolError(
+                        f"round {round_id}: END after {expected} buckets, the plan has "
+                        f"{len(plan.buckets)} (END says {frame.index})"
+                    )
+                if frame.nbytes != 0 or frame.slot != 0:
+                    raise ProtocolError(
+                        f"round {round_id}: END should carry nothing, its header announces "
+                        f"{frame.nbytes} bytes in slot {frame.slot}"
+                    )
+                return
+            if frame.kind != self.bucket_kind:
+                raise ProtocolError(
+                    f"round {round_id}: unexpected {frame.kind.name} frame (this worker takes "
+                    f"{self.bucket_kind.name})"
+                )
+            if frame.index != expected or expected >= len(plan.buckets):
+                raise ProtocolError(
+                    f"round {round_id}: expected bucket {expected}, got bucket {frame.index}"
+                )
+            bucket = plan.buckets[expected]
+            if frame.nbytes != bucket.payload_bytes:
+                raise ProtocolError(
+                    f"round {round_id}: bucket {expected} should carry {bucket.payload_bytes} "
+                    f"bytes, the header says {frame.nbytes}"
+                )
+            if frame.slot >= self.slots:
+                raise ProtocolError(
+                    f"round {round_id}: bucket {expected} names slot {frame.slot}, there "
+                    f"are {self.slots}"
+                )
+            self.bucket = expected
+            yield frame
+            expected += 1
+
+    def guard(self, round_id: int) -> contextlib.AbstractContextManager[None]:
+        """Map socket failures of a round to typed errors; mark the link broken on them."""
+        return _LinkGuard(self, round_id)
+
+    def close(self) -> None:
+        """Close the connection; a receive blocked on it in another thread fails."""
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv; close() alone may not
+        self.sock.close()
+
+
+_RECONNECT = "the connection is closed: a new trainer_init (init_weight_transfer_engine) reconnects"
+
+
+class _LinkGuard:
+    def __init__(self, link: WorkerLink, round_id: int) -> None:
+        self.link = link
+        self.round_id = round_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def _position(self) -> str:
+        link = self.link
+        if link.bucket is not None:
+            return f"bucket {link.bucket}"
+        if link.next_bucket >= len(link.plan.buckets):
+            return "waiting for the end of the round"
+        return f"waiting for the header of bucket {link.next_bucket}"
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None or isinstance(exc, TransferAbortedError):
+            return  # an abort arrives at a frame boundary: the stream stays in step
+        self.link.close()
+        where = f"round {self.round_id}, {self._position()}"
+        if isinstance(exc, TimeoutError):
+            raise TransferTimeoutError(
+                f"{where}: nothing from the trainer for recv_timeout={self.link.recv_timeout}s; "
+                f"{_RECONNECT}"
+            ) from exc
+        if isinstance(exc, OSError):
+            raise TransferError(f"{where}: the data connection failed: {exc}; {_RECONNECT}") from exc
+        if isinstance(exc, TransferError) and not str(exc).startswith("round "):
+            raise type(exc)(f"{where}: {exc}; {_RECONNECT}") from exc

@@ -1,0 +1,363 @@
+"""The `"shm"` backend, one host: workers read each bucket from the trainer's memory.
+
+Where the kernel lets a worker read the trainer's memory (`asyncwt._transports.shm.cma`: same
+user, no ptrace restriction in the way), the trainer packs nothing: each bucket
+goes out as the addresses of its slices, in the trainer's own tensors, and the
+worker copies them with `process_vm_readv` straight to where they land (the model
+itself, where it takes the bytes as they are), then acknowledges the bucket. One
+copy per byte, where a ring costs two on the same cores.
+
+Every other worker, or every worker when the trainer sets `direct_reads=False`,
+uses the bucket ring (see `_ring`) in shared memory. Segments are created with
+owner-only permissions and unlinked as soon as every worker has mapped them, so
+nothing is left in `/dev/shm` even if both sides are killed; the mappings live
+until each side closes them. If one worker of a round reads from the ring, every
+bucket is packed into it (a worker that reads directly then reads the ring slot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import secrets
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, ClassVar
+
+import anyio
+import torch
+
+from ..._core.errors import TransferError
+from ..._core.plan import Bucket, TransferPlan
+from ..._trainer.base import TrainerInitInfo
+from ..._trainer.engine import PipelinedTrainerEngine
+from ..._trainer.pipeline import Segment
+from ..._worker.applier import ModelTarget
+from ..._worker.engine import DeferredWorkerEngine, ReceivePool
+from ..base import ReceivedBucket, ReceiverTransport, SenderTransport
+from ..link import Peer
+from ..sockio import recv_exact
+from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from ..wire import Frame, FrameKind
+from . import cma as _cma
+from .ring import RingReceiver, RingSender
+
+__all__ = [
+    "ShmReceiver",
+    "ShmSender",
+    "ShmTrainerEngine",
+    "ShmTrainerInitInfo",
+    "ShmWorkerEngine",
+    "ShmWorkerInitInfo",
+]
+
+logger = logging.getLogger("asyncwt")
+
+_SEGMENT_NAME = re.compile(r"^asyncwt_[0-9a-f]{16}_\d{1,4}$")
+_CREATED_HERE: set[str] = set()
+"""Segments this process created (and its resource tracker rightly tracks)."""
+
+
+@dataclass
+class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+    """Trainer-side settings of the `"shm"` backend (trainer and workers on one host)."""
+
+    backend: ClassVar[str] = "shm"
+
+    direct_reads: bool = True
+    """Let workers read buckets straight from this process's memory where the
+    kernel allows it (one copy instead of two). False keeps every worker on the
+    shared ring."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.direct_reads, bool):
+            raise ValueError(f"direct_reads should be a bool, got {self.direct_reads!r}")
+
+
+@dataclass
+class ShmWorkerInitInfo(TcpWorkerInitInfo):
+    """What a `"shm"` worker receives: the link's address and token, the segments,
+    and (when the trainer offers direct reads) its pid and read probe."""
+
+    segments: list[str] = field(default_factory=list)
+    trainer_pid: int = 0
+    """The trainer's pid, or 0 when it offers no direct reads."""
+    probe_address: int = 0
+    """Where the trainer holds `probe_nonce`, in its own address space."""
+    probe_nonce: str = ""
+    """The probe's bytes, in hex."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("trainer_pid", "probe_address"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+                raise ValueError(f"{name} should be an int in [0, 2**64), got {value!r}")
+        nonce = self.probe_nonce
+        if self.trainer_pid and (
+            not isinstance(nonce, str)
+            or not re.fullmatch(f"[0-9a-f]{{{2 * _cma.PROBE_BYTES}}}", nonce)
+        ):
+            raise ValueError(
+                f"probe_nonce should be {2 * _cma.PROBE_BYTES} lowercase hex digits, got {nonce!r}"
+            )
+        if not isinstance(self.segments, list) or len(self.segments) != self.num_buffers:
+            raise ValueError(
+                f"segments should list num_buffers ({self.num_buffers}) names, got {self.segments!r}"
+            )
+        for name in self.segments:
+            if not isinstance(name, str) or not _SEGMENT_NAME.match(name):
+                raise ValueError(f"segments should be asyncwt segment names, got {name!r}")
+
+
+def _view(segment: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+
+
+def _attach(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """Map an existing segment without adopting it (its creator owns its lifetime)."""
+    segment = shared_memory.SharedMemory(name=name)
+    # Before Python 3.13 attaching registers the segment with this process's resource
+    # tracker, which would unlink it when this process exits: undo that (unless this
+    # process is the creator, e.g. a trainer with in-process workers).
+    if name not in _CREATED_HERE:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    if segment.size < nbytes:
+        segment.close()
+        raise ValueError(
+            f"shared segment {name!r} has {segment.size} bytes, the plan needs {nbytes}"
+        )
+    return segment
+
+
+def _host_address(segment: Segment) -> int:
+    """Where a host segment's first byte is in this process (0 if it is empty)."""
+    if segment.device.type != "cpu":
+        raise ValueError(
+            f"a segment lent for direct reads should be host memory, got {segment.device}"
+        )
+    return segment.data_ptr() if segment.numel() else 0
+
+
+class ShmSender(RingSender):
+    """Offers direct reads to the workers, and keeps the ring (owner-only segments)
+    for those that cannot take them."""
+
+    def __init__(self, info: ShmTrainerInitInfo, plan: TransferPlan) -> None:
+        super().__init__(info, plan)
+        self.probe: _cma.ReadProbe | None = None
+        self._probe_buffer: Any = None
+        if info.direct_reads and _cma.supported():
+            self.probe, self._probe_buffer = _cma.ReadProbe.create()
+        self.links.direct_reads = self.probe is not None
+        self.direct = False
+        """Whether every worker of this round reads from this process's memory: then
+        nothing is packed (`min_view_bytes` 0) and the ring is unused."""
+        self._readers: int | None = None
+        """How many workers read directly, as last logged."""
+        prefix = f"asyncwt_{secrets.token_hex(8)}"
+        self.segments: list[shared_memory.SharedMemory] = []
+        buffers = []
+        try:
+            for slot in range(info.num_buffers):
+                segment = shared_memory.SharedMemory(
+                    name=f"{prefix}_{slot}", create=True, size=plan.bucket_bytes
+                )
+                _CREATED_HERE.add(segment.name.lstrip("/"))
+                self.segments.append(segment)
+                buffers.append(_view(segment, plan.bucket_bytes))
+        except BaseException:
+            self.close()
+            raise
+        self.set_buffers(buffers)
+
+    def exported(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"segments": [s.name.lstrip("/") for s in self.segments]}
+        if self.probe is not None:
+            fields.update(
+                trainer_pid=self.probe.pid,
+                probe_address=self.probe.address,
+                probe_nonce=self.probe.nonce,
+            )
+        return fields
+
+    def after_rendezvous(self) -> None:
+        for segment in self.segments:  # every worker has mapped them: drop the names
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
+
+    async def begin_round(self, round_id: int) -> None:
+        await super().begin_round(round_id)  # every READY says whether its worker reads directly
+        readers = sum(peer.reads_directly for peer in self.links.peers)
+        if readers != self._readers:
+            logger.info(
+                "asyncwt: shm: round %d: %d of %d worker(s) read this process's memory directly",
+                round_id,
+                readers,
+                self.num_workers,
+            )
+            self._readers = readers
+        self.direct = readers == self.num_workers
+        self.min_view_bytes = 0 if self.direct else None
+
+    def staging(self, slot: int) -> torch.Tensor | None:
+        return None if self.direct else super().staging(slot)
+
+    async def reclaim(self, slot: int) -> None:
+        if not self.direct:  # else send_bucket returned only once every worker had read
+            await super().reclaim(slot)
+
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
+        """Lend `bucket` to the direct readers (its addresses), then announce its ring
+        slot to the ring workers; return once every direct reader has read it.
+
+        The direct readers go first: a ring worker may release the slot as soon as it
+        has applied it, and the next bucket may then be packed into it. Shielded from
+        cancellation, each step bounded by `send_timeout` instead: `segments` may
+        point into the source's tensors, which must stay as they are until read, and
+        a slot announced to only some workers would never be released.
+        """
+        peers = self.links.peers
+        ring_peers = [peer for peer in peers if not peer.reads_directly]
+        readers = [peer for peer in peers if peer.reads_directly]
+        with anyio.CancelScope(shield=True):
+            if ring_peers:
+                ring = self.bound.pop(slot)
+                self.pending[ring] = set(ring_peers)
+            if readers:
+                addresses = struct.pack(f"<{len(segments)}Q", *map(_host_address, segments))
+                await self.links.each(self._lend, bucket, addresses, among=readers)
+            if ring_peers:
+                header = self.links.frame(
+                    FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
+                )
+                await self.links.each(
+                    self.links.send_header, header, f"bucket {bucket.index}", among=ring_peers
+                )
+
+    async def _lend(self, peer: Peer, bucket: Bucket, addresses: bytes) -> None:
+        """Send `bucket`'s addresses to `peer` and wait for its acknowledgement."""
+        header = self.links.frame(
+            FrameKind.BUCKET_AT, index=bucket.index, nbytes=bucket.payload_bytes
+        )
+        what = f"bucket {bucket.index}"
+        await self.links.send_frame(peer, [memoryview(header.pack()), memoryview(addresses)], what)
+        frame = await self.links.read_frame(peer, self.release_timeout, f"its read of {what}")
+        if frame.kind != FrameKind.RELEASE or frame.index != bucket.index or frame.slot:
+            error = self.links.protocol_error(
+                peer,
+                f"answered {what} with {frame.kind.name} of bucket {frame.index}, slot "
+                f"{frame.slot}; expected RELEASE of bucket {bucket.index}, slot 0",
+            )
+            peer.close(str(error))
+            raise error
+
+    def close(self) -> None:
+        super().close()
+        for segment in self.segments:
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
+            with contextlib.suppress(BufferError):
+                segment.close()
+        self.segments = []
+
+
+class ShmReceiver(RingReceiver):
+    """Reads each bucket from the trainer's memory when the probe succeeds, else
+    maps the trainer's shared-memory segments."""
+
+    def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan, pool: ReceivePool) -> None:
+        super().__init__(info, plan)
+        self.segment_names = info.segments
+        self.segments: list[shared_memory.SharedMemory] = []
+        self.pool = pool
+        self.trainer_pid = info.trainer_pid
+        if info.trainer_pid:
+            why = _cma.probe_reads(
+                _cma.ReadProbe(info.trainer_pid, info.probe_address, info.probe_nonce)
+            )
+        else:
+            why = "the trainer offers no direct reads (direct_reads=False)"
+        self.reads_directly = self.lands_in_place = why is None
+        if why is not None:
+            logger.info("asyncwt: shm: this worker reads from the shared ring: %s", why)
+
+    def connect(self) -> None:
+        super().connect()
+        link = self.link
+        assert link is not None
+        if self.reads_directly and not _cma.holds_peer_of(self.trainer_pid, link.sock):
+            self.close()
+            raise TransferError(
+                f"trainer_pid {self.trainer_pid} from the init info does not hold this "
+                f"worker's link to the trainer at {self.info.host}:{self.info.port}: refusing "
+                f"to read its memory (for a trainer in another network namespace, set "
+                f"direct_reads=False on it)"
+            )
+
+    def map_ring(self) -> list[torch.Tensor]:
+        if self.reads_directly:
+            return []  # every bucket comes from the trainer's memory
+        buffers = []
+        for name in self.segment_names:
+            segment = _attach(name, self.plan.bucket_bytes)
+            self.segments.append(segment)
+            buffers.append(_view(segment, self.plan.bucket_bytes))
+        return buffers
+
+    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+        if not self.reads_directly:
+            yield from super().receive_round(round_id, target)
+            return
+        link = self.link
+        assert link is not None
+        with link.guard(round_id):
+            for frame in link.frames(round_id):
+                bucket = self.plan.buckets[frame.index]
+                count = len(bucket.slices)
+                addresses = struct.unpack(f"<{count}Q", recv_exact(link.sock, 8 * count))
+                buffer, release, views = self.pool.landing(bucket, target)
+                try:
+                    _cma.read_from(self.trainer_pid, views, addresses)
+                except OSError as exc:
+                    release()
+                    raise TransferError(
+                        f"reading bucket {bucket.index} from the trainer's memory failed: {exc}"
+                    ) from exc
+                except BaseException:
+                    release()
+                    raise
+                link.send(Frame(FrameKind.RELEASE, round_id, bucket.index, frame.digest, 0, 0))
+                yield ReceivedBucket(bucket, buffer, release)
+
+    def unmap_ring(self) -> None:
+        for segment in self.segments:
+            with contextlib.suppress(BufferError):
+                segment.close()
+        self.segments = []
+
+
+class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
+    """Trainer engine of the `"shm"` backend (see the module docstring)."""
+
+    init_info_cls = ShmTrainerInitInfo
+
+    @classmethod
+    def make_transport(
+        cls, info: ShmTrainerInitInfo, plan: TransferPlan, device: torch.device
+    ) -> SenderTransport:
+        return ShmSender(info, plan)
+
+
+class ShmWorkerEngine(DeferredWorkerEngine):
+    """Worker engine of the `"shm"` backend (see the module docstring)."""
+
+    init_info_cls = ShmWorkerInitInfo
+
+    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
+        return ShmReceiver(info, plan, self.receive_pool(info, plan))

@@ -1,0 +1,180 @@
+"""A ring of shared bucket buffers that workers read in place (shm, CUDA IPC).
+
+The trainer packs each bucket straight into one of `num_buffers` ring slots that
+every worker has mapped; the link (the authenticated connection of `"tcp"`)
+carries only frame headers naming the slot, and each worker's RELEASE of a slot
+once its applier is done with it. A slot is rewritten only after every worker
+released it. Subclasses say how the buffers are made, exported and mapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..._core.errors import ProtocolError
+from ..._core.plan import Bucket, TransferPlan
+from ..._trainer.pipeline import Segment
+from ..._worker.applier import ModelTarget
+from ..base import InitWorkers, ReceivedBucket, ReceiverTransport
+from ..link import LinkedSender, Peer, WorkerLink, connect_link
+from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from ..wire import Frame, FrameKind
+
+__all__ = ["RingReceiver", "RingSender"]
+
+
+class RingSender(LinkedSender):
+    """Packs buckets into the ring and announces each slot over the link."""
+
+    min_view_bytes: int | None = None
+
+    def __init__(self, info: LinkedTrainerInfo, plan: TransferPlan) -> None:
+        super().__init__(info.link_settings(), plan)
+        self.release_timeout = info.send_timeout
+        self.buffers: list[torch.Tensor] = []
+        self.pending: list[set[Peer]] = []
+        """Per ring slot, the workers that still read what it holds."""
+        self.bound: dict[int, int] = {}
+        """Pipeline slot → the ring slot it is packing into (until sent)."""
+
+    def set_buffers(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.pending = [set() for _ in buffers]
+
+    @abstractmethod
+    def exported(self) -> dict[str, Any]:
+        """The init-info fields workers need to map the ring."""
+
+    def after_rendezvous(self) -> None:
+        """Every worker has mapped the ring (hook: drop names, say)."""
+
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        await super().rendezvous({**worker_fields, **self.exported()}, init_workers)
+        self.after_rendezvous()
+
+    def staging(self, slot: int) -> torch.Tensor | None:
+        return self.buffers[self.bound[slot]]
+
+    def _on_release(self, peer: Peer, frame: Frame) -> None:
+        if frame.slot >= len(self.pending):
+            raise self.links.protocol_error(
+                peer, f"released ring slot {frame.slot}; there are {len(self.pending)}"
+            )
+        self.pending[frame.slot].discard(peer)
+
+    async def reclaim(self, slot: int) -> None:
+        """Bind pipeline slot `slot` to a ring slot that no worker reads any more.
+
+        Any free ring slot will do, so one worker slow to apply one bucket does not
+        stall the ring while other slots are free. Waits (reading RELEASE frames)
+        while every ring slot is still being read.
+        """
+        self.bound.pop(slot, None)
+        taken = set(self.bound.values())
+        while True:
+            for ring in range(len(self.buffers)):
+                if ring not in taken and not self.pending[ring]:
+                    self.bound[slot] = ring
+                    return
+            peer = next(p for ring in range(len(self.pending)) for p in self.pending[ring])
+            frame = await self.links.read_frame(peer, self.release_timeout, "a ring-slot release")
+            try:
+                if frame.kind != FrameKind.RELEASE:
+                    raise self.links.protocol_error(
+                        peer, f"sent {frame.kind.name} instead of RELEASE"
+                    )
+                self._on_release(peer, frame)
+            except ProtocolError as exc:
+                peer.close(str(exc))
+                raise
+
+    async def begin_round(self, round_id: int) -> None:
+        self.bound.clear()  # bindings of an aborted round are void
+        await self.links.wait_ready(round_id, self._on_release)
+
+    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
+        ring = self.bound.pop(slot)  # from now on `pending` guards the ring slot
+        header = self.links.frame(
+            FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
+        )
+        self.pending[ring] = set(self.links.peers)
+        await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
+
+    def close(self) -> None:
+        super().close()
+        self.buffers = []
+
+
+class RingReceiver(ReceiverTransport):
+    """Maps the ring at init; yields each announced slot as the bucket's buffer, in place."""
+
+    lands_in_place = False
+    reads_directly = False
+    """Whether buckets come as addresses in the trainer's memory (see `_shm`)."""
+
+    def __init__(self, info: TcpWorkerInitInfo, plan: TransferPlan) -> None:
+        self.info = info
+        self.plan = plan
+        self.link: WorkerLink | None = None
+        self.buffers: list[torch.Tensor] = []
+
+    @abstractmethod
+    def map_ring(self) -> list[torch.Tensor]:
+        """Map every ring slot the trainer exported (bucket_bytes each)."""
+
+    def unmap_ring(self) -> None:
+        """Release the mappings (hook)."""
+
+    def connect(self) -> None:
+        info = self.info
+        try:
+            self.buffers = self.map_ring()
+            sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.link = WorkerLink(
+            sock,
+            self.plan,
+            info.recv_timeout,
+            slots=max(1, len(self.buffers)),
+            reads_directly=self.reads_directly,
+        )
+
+    @property
+    def usable(self) -> bool:
+        return self.link is not None and not self.link.broken
+
+    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+        link = self.link
+        assert link is not None
+        with link.guard(round_id):
+            for frame in link.frames(round_id):
+                if not 0 <= frame.slot < len(self.buffers):
+                    raise ProtocolError(
+                        f"round {round_id}: bucket {frame.index} names ring slot {frame.slot}, "
+                        f"there are {len(self.buffers)}"
+                    )
+                bucket = self.plan.buckets[frame.index]
+                yield ReceivedBucket(bucket, self.buffers[frame.slot], self._releaser(link, frame))
+
+    @staticmethod
+    def _releaser(link: WorkerLink, frame: Frame) -> Any:
+        release = Frame(FrameKind.RELEASE, frame.round_id, frame.index, frame.digest, 0, frame.slot)
+
+        def release_slot() -> None:
+            with contextlib.suppress(OSError):  # a broken link fails the round anyway
+                link.send(release)
+
+        return release_slot
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.buffers = []
+        self.unmap_ring()

@@ -1,0 +1,1 @@
+"""The `"tcp"` backend: every bucket streams over each worker's own connection."""

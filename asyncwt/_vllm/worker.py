@@ -1,0 +1,220 @@
+"""asyncwt's worker engines as vLLM weight-transfer engines (built only inside vLLM).
+
+`vllm_worker_engine_class(backend)` turns any `DeferredWorkerEngine` subclass
+(`TcpWorkerEngine`, `ShmWorkerEngine`, ...) into a class that vLLM's
+`WeightTransferEngineFactory` can build: it mixes vLLM's own `WeightTransferEngine`
+in as a base and adds vLLM's round lifecycle. Receiving is the backend's, unchanged.
+
+What a round does inside vLLM, on each worker:
+
+- `start_weight_update`: `initialize_layerwise_reload(model)`. vLLM has processed the
+  loaded weights (on the CPU it repacks linear weights and leaves parameters of shape
+  `(0,)`), so checkpoint-format weights can only be loaded through this lifecycle.
+- `update_weights`: the backend receives every bucket; the applier hands each
+  parameter to `model.load_weights` on its thread, overlapped with the receive, and
+  `update_weights` returns once all of them are loaded. Each tensor is copied out of
+  the receive buffer first: the layerwise loader keeps the tensors it is given
+  until the layer is complete, while asyncwt reuses its receive buffers.
+- `finish_weight_update`: `finalize_layerwise_reload(model, model_config)` (it
+  processes the layers and copies the results into the tensors vLLM serves from),
+  then the round is published as asyncwt's engine publishes it.
+
+vLLM passes no `weight_version` to the engine (its engine core records the version
+after the workers finished), so `weight_version` on these engines stays `None`;
+read the served version from vLLM (`GET /weight_info`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+
+from .._core.errors import AsyncwtError, TransferError
+from .._core.settings import RoundUpdateInfo
+from .._worker.base import WeightTransferConfig
+from .._worker.engine import DeferredWorkerEngine
+
+__all__ = ["VLLM_BACKEND_PREFIX", "VllmRoundMixin", "vllm_backend_name", "vllm_worker_engine_class"]
+
+logger = logging.getLogger("asyncwt")
+
+VLLM_BACKEND_PREFIX = "asyncwt_"
+"""vLLM's name of an asyncwt backend is this prefix and asyncwt's name: `asyncwt_tcp`."""
+
+_CLASSES: dict[str, type[DeferredWorkerEngine]] = {}
+
+
+def vllm_backend_name(backend: str) -> str:
+    """The name vLLM knows asyncwt's `backend` by (`"tcp"` -> `"asyncwt_tcp"`)."""
+    return VLLM_BACKEND_PREFIX + backend
+
+
+def _own_copy(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The applier's transform inside vLLM: a tensor that outlives the receive buffer."""
+    return tensor.clone()
+
+
+class VllmRoundMixin(DeferredWorkerEngine):
+    """vLLM's round lifecycle over a `DeferredWorkerEngine` (see the module docstring).
+
+    Not used on its own: `vllm_worker_engine_class` puts it in front of a backend's
+    engine class and vLLM's `WeightTransferEngine`.
+    """
+
+    asyncwt_backend: ClassVar[str]
+    """asyncwt's registry name of the backend this class wraps."""
+
+    def __init__(
+        self,
+        config: Any,
+        vllm_config: Any,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        # vLLM's config carries only the backend's (vLLM) name. One apply thread:
+        # vLLM's layerwise loaders keep per-layer state that is not thread-safe.
+        own = WeightTransferConfig(
+            backend=self.asyncwt_backend, apply_threads=1, transform=_own_copy
+        )
+        super().__init__(own, vllm_config, device, model)
+        self.vllm_weight_transfer_config = config
+        """The `WeightTransferConfig` vLLM built this engine with."""
+        self._layerwise = False
+        self._apply_failure: BaseException | None = None
+
+    def start_weight_update(self) -> None:
+        """Begin a round: drain an abandoned one, then start vLLM's layerwise reload."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        super().start_weight_update()
+        self._end_layerwise(failed=True)
+        self._apply_failure = None
+        initialize_layerwise_reload(self.model)
+        self._layerwise = True
+
+    def receive_weights(self, update_info: RoundUpdateInfo) -> None:
+        """Receive the round and load every parameter before returning.
+
+        Loading ends inside this call because vLLM sets its current config (which
+        weight loaders may read) only for the duration of each engine call. On any
+        error the layerwise reload is finalized at once, so the model vLLM serves is
+        never left with unloaded layers: each layer then holds either this round's
+        weights (all of them arrived) or the previous ones (see `_end_layerwise`), and
+        the round cannot be finished.
+        """
+        try:
+            super().receive_weights(update_info)
+        except BaseException:
+            self._end_layerwise(failed=True)
+            raise
+        try:
+            self.drain_pending()
+        except BaseException as exc:
+            self._apply_failure = exc
+            self._end_layerwise(failed=True)
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finalize vLLM's layerwise reload, then publish the round (see the base class).
+
+        Raises `TransferError` when this round's loading failed; the weights are then
+        incomplete (`weights_incomplete` stays true) and no version is published.
+        """
+        try:
+            self.drain_pending()
+        except BaseException:
+            self._end_layerwise(failed=True)
+            raise
+        self._end_layerwise()
+        failure, self._apply_failure = self._apply_failure, None
+        if failure is not None:
+            raise TransferError(f"the round did not complete: {failure}") from failure
+        super().finish_weight_update(weight_version)
+
+    def shutdown(self) -> None:
+        """Release the trainer connection; the engine stays usable for a new init.
+
+        vLLM keeps one engine per worker for the worker's whole life and calls this to
+        release a trainer, so the apply thread is kept (it is idle between rounds).
+        """
+        self._end_layerwise(failed=True)
+        if self.receiver is not None:
+            self.receiver.close()
+
+    def _end_layerwise(self, *, failed: bool = False) -> None:
+        """Finalize an open layerwise reload once the applier went quiet.
+
+        After a `failed` round, layers that received only some of their weights get
+        their previous weights back instead of being processed half-loaded (vLLM's
+        finalize would fill the missing part with uninitialised memory).
+        """
+        if not self._layerwise:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            self.drain_pending()
+        except AsyncwtError as exc:  # the round failed already; its error is reported there
+            logger.debug("dropping an apply error while finalizing vLLM's reload: %r", exc)
+        self._layerwise = False
+        if failed:
+            _forget_partial_layers(self.model)
+        finalize: Any = finalize_layerwise_reload  # untyped in vLLM
+        finalize(self.model, self.model_config)
+
+
+def _forget_partial_layers(model: torch.nn.Module) -> None:
+    """Drop what half-loaded layers buffered, so finalizing restores their old weights.
+
+    Uses vLLM's per-layer reload state (`get_layerwise_info`): a layer still waiting
+    for weights (`can_load()`) that buffered some is reset to "nothing loaded", which
+    `finalize_layerwise_reload` answers by putting the layer's previous tensors back.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError as exc:  # pragma: no cover - a vLLM without this internal
+        logger.warning("cannot restore half-loaded layers with this vLLM: %r", exc)
+        return
+    for layer in model.modules():
+        info: Any = get_layerwise_info(layer)
+        if info.can_load() and info.load_numel > 0:
+            info.loaded_weights = []
+            info.load_numel = 0
+
+
+def vllm_worker_engine_class(
+    backend: str, engine_cls: type[DeferredWorkerEngine]
+) -> type[DeferredWorkerEngine]:
+    """The vLLM engine class for asyncwt's `backend`, implemented by `engine_cls`.
+
+    Its bases are `VllmRoundMixin`, `engine_cls` and vLLM's `WeightTransferEngine`
+    (so `isinstance(engine, vllm...WeightTransferEngine)` holds); the class is built
+    once per backend. Imports vLLM.
+    """
+    if not (isinstance(engine_cls, type) and issubclass(engine_cls, DeferredWorkerEngine)):
+        raise TypeError(f"engine_cls should be a DeferredWorkerEngine subclass, got {engine_cls!r}")
+    cached = _CLASSES.get(backend)
+    if cached is not None:
+        if not issubclass(cached, engine_cls):
+            raise ValueError(
+                f"backend {backend!r} already has a vLLM engine class built from "
+                f"{cached.__mro__[2].__name__}; got {engine_cls.__name__} for it too"
+            )
+        return cached
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine as VllmBase
+
+    name = f"Vllm{engine_cls.__name__}"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": (
+            f"vLLM's `{vllm_backend_name(backend)}` weight-transfer engine: asyncwt's "
+            f"{engine_cls.__name__} with vLLM's round lifecycle (see `VllmRoundMixin`)."
+        ),
+        "asyncwt_backend": backend,
+    }
+    cls: type[DeferredWorkerEngine] = type(name, (VllmRoundMixin, engine_cls, VllmBase), namespace)
+    _CLASSES[backend] = cls
+    return cls

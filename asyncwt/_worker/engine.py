@@ -1,0 +1,408 @@
+"""The deferred worker engine: rounds over any receiver transport, applied in the background.
+
+A backend subclasses `DeferredWorkerEngine`, names its init info class and builds
+its `ReceiverTransport`; receiving rounds, deferred apply and version publishing
+are here, written once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from .._core.bytes import byte_view
+from .._core.errors import (
+    ApplyError,
+    RoundConflictError,
+    StaleRoundError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from .._core.plan import Bucket, TransferPlan
+from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
+from .._trainer.lanes import staging_buffer
+from .._transports.base import ReceiverTransport
+from .applier import DeferredApplier, ModelTarget, weights_loader
+from .base import WeightTransferConfig, WeightTransferEngine
+
+__all__ = ["DeferredWorkerEngine", "ReceivePool"]
+
+logger = logging.getLogger("asyncwt")
+
+
+class ReceivePool:
+    """`count` bucket-sized receive buffers; a buffer is reused only once released.
+
+    Device buffers are allocated at once (during init): on a GPU that serves
+    inference the memory left after the server's own reservation may be short,
+    and that should fail the init, saying how much was asked for, not a round.
+    Host buffers come on first use.
+    """
+
+    def __init__(
+        self, count: int, nbytes: int, device: torch.device, timeout: float, *, on_device: bool
+    ) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.on_device = on_device
+        self.timeout = timeout
+        self._buffers: list[torch.Tensor] = []
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(count):
+            self._free.put(slot)
+        if on_device:
+            try:
+                while len(self._buffers) < count:
+                    self._buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+            except torch.OutOfMemoryError as exc:
+                self._buffers = []
+                raise TransferError(
+                    f"the receive buffers ({count} x {nbytes} bytes) do not fit on {device}: "
+                    f"lower bucket_bytes or num_buffers on the trainer, or leave the worker "
+                    f"more device memory ({exc})"
+                ) from None
+
+    def take(self) -> tuple[torch.Tensor, Any]:
+        """A free buffer and the function that releases it (blocks while none is free)."""
+        try:
+            slot = self._free.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TransferTimeoutError(
+                f"no receive buffer came free within {self.timeout}s: background apply is "
+                f"stuck (a transform or load_weights that never returns?)"
+            ) from None
+        return self._lend(slot)
+
+    def try_take(self) -> tuple[torch.Tensor, Any] | None:
+        """A free buffer and its release, or `None` when none is free right now."""
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            return None
+        return self._lend(slot)
+
+    def _lend(self, slot: int) -> tuple[torch.Tensor, Any]:
+        while len(self._buffers) <= slot:
+            if self.on_device:
+                buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            else:
+                buffer = staging_buffer(self.nbytes, self.device)
+            self._buffers.append(buffer)
+        return self._buffers[slot], lambda: self._free.put(slot)
+
+    def landing(
+        self, bucket: Bucket, target: ModelTarget
+    ) -> tuple[torch.Tensor | None, Callable[[], None], list[memoryview]]:
+        """Where each slice of `bucket` should be received: straight into the model
+        where `target` takes the bytes as they are, else into a buffer of this pool at
+        the slice's plan offset. Returns the buffer (None if every slice lands in
+        place), its release, and one writable view per slice.
+        """
+        in_place = all(target.direct[s.param] for s in bucket.slices)
+        buffer, release = (None, _nothing) if in_place else self.take()
+        staging = byte_view(buffer) if buffer is not None else memoryview(b"")
+        views = [
+            target.landing_view(s.param)[s.start : s.end]
+            if target.direct[s.param]
+            else staging[s.offset : s.offset + s.nbytes]
+            for s in bucket.slices
+        ]
+        return buffer, release, views
+
+
+def _nothing() -> None:
+    return None
+
+
+class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
+    """Worker engine with deferred (background) apply, over any `ReceiverTransport`.
+
+    `update_weights` returns once every byte of the round is received; unpacking,
+    the optional transform and loading run on `config.apply_threads` threads.
+    `finish_weight_update(weight_version)` drains them, re-raises the first error
+    naming the parameter, and only then publishes `weight_version`.
+
+    Round outcome: `weight_version` is always the version of the last round that
+    completed; a failed round never changes it. `weights_incomplete` says whether
+    the model's weights are a mix left by a failed round: it becomes true when a
+    round starts writing into the model and false again when a round completes.
+    With `config.staged` a round writes into a shadow copy and reaches the model
+    only at finish, so a failed round leaves `weights_incomplete` false and the
+    previous weights in use (at the cost of one extra copy of the weights).
+
+    Every wait is bounded: the connection and handshake by `connect_timeout`, each
+    frame by `recv_timeout`, background apply by `drain_timeout` (all from the
+    trainer's init info).
+    """
+
+    init_info_cls: ClassVar[type[WorkerPlanInfo]]
+    update_info_cls = RoundUpdateInfo
+    defers_processing = True
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: Any | None,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.weight_version: str | None = None
+        """The version of the last round that finished completely."""
+        self.weights_incomplete = False
+        """True after a round that started changing the model's weights and did not
+        finish: the model holds a mix of two versions until a round completes."""
+        self._applier = DeferredApplier(config.apply_threads)
+        self.receiver: ReceiverTransport | None = None
+        self._plan: TransferPlan | None = None
+        self._target: ModelTarget | None = None
+        self._last_round = 0
+        self._received_round = 0
+        """The round received completely since the last start (0: none); a finish
+        closes it, so a second finish has nothing to publish."""
+        self._round_error: tuple[int, BaseException] | None = None
+        """The error that ended a round, with that round's id: it fails that round's
+        finish and nothing else, and nothing but a new round clears it."""
+        self._trainer_id = ""
+        self._drain_timeout = WorkerPlanInfo.drain_timeout
+        self._recv_timeout = WorkerPlanInfo.recv_timeout
+        self._receiving = threading.Lock()
+        """Held while a round is received: a late call waits for an aborted one to end."""
+
+    @abstractmethod
+    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
+        """The backend's receiving side for this worker."""
+
+    def _resolve(
+        self, model: torch.nn.Module, plan: TransferPlan, receiver: ReceiverTransport
+    ) -> ModelTarget:
+        return ModelTarget.resolve(
+            model,
+            plan,
+            self.config.transform,
+            elementwise=self.config.transform_elementwise,
+            in_place=receiver.lands_in_place,
+            staged=self.config.staged,
+        )
+
+    def receive_pool(
+        self, info: WorkerPlanInfo, plan: TransferPlan, *, on_device: bool = False
+    ) -> ReceivePool:
+        """Receive buffers for transports that receive into worker memory: host memory
+        (pinned when the model is on a GPU), or device memory when `on_device`.
+
+        `num_buffers` of them, or `apply_threads + 1` if that is more and applying is
+        slow (a transform or `load_weights` runs): one buffer per apply thread plus
+        the one the next bucket arrives in, so every apply thread can work while the
+        receive goes on. A plain copy into the model needs no more than `num_buffers`.
+        """
+        count = info.num_buffers
+        if self.config.transform is not None or weights_loader(self.model) is not None:
+            count = max(count, self.config.apply_threads + 1)
+        return ReceivePool(
+            count, plan.bucket_bytes, self.device, info.recv_timeout, on_device=on_device
+        )
+
+    # -- init -------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: WorkerPlanInfo) -> None:
+        """Rebuild the trainer's plan, match it to the model, and join the trainer.
+
+        Replaces any previous connection: a new `trainer_init` reconnects this way,
+        without restarting the worker, after the trainer or the connection died. A
+        round still receiving on the old connection fails at once. Raises
+        `ApplyError` if the old connection's background apply is still stuck after
+        `drain_timeout`.
+        """
+        plan = init_info.transfer_plan
+        receiver = self.make_receiver(init_info, plan)
+        target = self._resolve(self.model, plan, receiver)
+        receiver.connect()
+        old, self.receiver = self.receiver, receiver
+        self._plan, self._target = plan, target
+        self._last_round = self._received_round = 0
+        self._round_error = None
+        self._trainer_id = init_info.trainer_id
+        self._drain_timeout = init_info.drain_timeout
+        self._recv_timeout = init_info.recv_timeout
+        if old is not None:
+            old.close()
+        self._drain_quietly("before the new connection's first round")
+
+    # -- rounds -----------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        """Begin a round: leftovers of an aborted round are drained and forgotten.
+
+        Raises `ApplyError` when a previous round's background apply is still stuck
+        after `drain_timeout`.
+        """
+        self._drain_quietly("before a new round")
+        self._round_error = None
+        self._received_round = 0
+
+    def receive_weights(self, update_info: RoundUpdateInfo) -> None:
+        """Receive every bucket of the round; queue each for background apply.
+
+        Raises `PlanMismatchError` (before any byte moves) when the round was planned
+        differently, `TransferAbortedError` when the trainer aborts, and
+        `TransferTimeoutError` when the trainer goes quiet for `recv_timeout`.
+        """
+        receiver, plan, target = self._require_init()
+        plan.check_digest(update_info.plan_digest, where=f"round {update_info.round_id}")
+        if self._trainer_id and not hmac.compare_digest(
+            update_info.trainer_id.encode(), self._trainer_id.encode()
+        ):
+            raise RoundConflictError(
+                f"update_weights for round {update_info.round_id} refused: it names a trainer "
+                f"other than the one this worker was initialised with (a stale trainer, or a "
+                f"stranger); run trainer_init to take the worker over"
+            )
+        if update_info.round_id <= self._last_round:
+            raise StaleRoundError(
+                f"round_id should increase: got {update_info.round_id} after {self._last_round} "
+                f"(a replayed or reordered update_weights)"
+            )
+        round_id = self._last_round = update_info.round_id
+        if not self._receiving.acquire(timeout=self._recv_timeout):
+            raise TransferTimeoutError(
+                f"round {round_id}: the previous round was still being received after "
+                f"recv_timeout={self._recv_timeout}s; init_weight_transfer_engine again to reset"
+            )
+        was_incomplete = self.weights_incomplete
+        try:
+            if target.commit is None:
+                self.weights_incomplete = True  # bytes land in the live weights from now on
+            for received in receiver.receive_round(round_id, target):
+                self._applier.submit(
+                    target, round_id, received.bucket, received.buffer, received.release
+                )
+        except BaseException as exc:
+            if isinstance(exc, TransferAbortedError) and exc.buckets_received == 0:
+                self.weights_incomplete = was_incomplete  # aborted before any byte landed
+            # A receive overtaken by a new init (its trainer died, a new one connected)
+            # must not poison the new connection's rounds: record only the current one.
+            if self._is_current(receiver, round_id):
+                self._round_error = (round_id, exc)
+            if not isinstance(exc, TransferAbortedError):
+                logger.warning("round %d failed on the worker: %r", round_id, exc)
+            raise
+        finally:
+            self._receiving.release()
+        if self._is_current(receiver, round_id):
+            self._received_round = round_id
+
+    def _is_current(self, receiver: ReceiverTransport, round_id: int) -> bool:
+        return self.receiver is receiver and self._last_round == round_id
+
+    def drain_pending(self) -> None:
+        """Block until every received bucket is applied; re-raise the first error.
+
+        Idempotent: a second call returns at once (an error is raised once here). An
+        error stays the round's: its `finish_weight_update` still fails. Bounded by
+        `drain_timeout`: an apply still running after it raises `ApplyError` naming
+        the round, bucket and parameters.
+        """
+        try:
+            self._applier.drain(self._drain_timeout)
+        except ApplyError as exc:
+            if self._round_error is None or self._round_error[0] != self._last_round:
+                self._round_error = (self._last_round, exc)
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Drain background apply, commit a staged round, then publish `weight_version`.
+
+        Raises the first apply error (naming the parameter), an `ApplyError` when the
+        drain exceeds `drain_timeout`, or a `TransferError` naming the error that
+        ended the round's receive; in every case `weight_version` keeps the last
+        completed round's version and `weights_incomplete` says whether the model
+        was left half-updated.
+        """
+        round_id = self._last_round
+        received, self._received_round = self._received_round, 0  # a finish closes the round
+        failed = self._round_error
+        if failed is not None and failed[0] == round_id:
+            error = failed[1]
+            self._drain_quietly("after the failed round")
+            raise TransferError(
+                f"round {round_id} did not complete, so version {weight_version!r} is not "
+                f"published; {self._outcome()}. Cause: {type(error).__name__}: {error}"
+            ) from error
+        try:
+            self.drain_pending()
+        except ApplyError as exc:
+            raise ApplyError(f"{exc}; {self._outcome()}") from exc.__cause__
+        if round_id == 0 or received != round_id:
+            raise TransferError(
+                f"finish_weight_update called without a completely received round (last "
+                f"round {round_id}); {self._outcome()}"
+            )
+        target = self._target
+        if target is not None and target.commit is not None:
+            self.weights_incomplete = True
+            try:
+                target.commit()
+            except Exception as exc:
+                raise ApplyError(
+                    f"round {round_id}: moving the staged weights into the model failed: "
+                    f"{type(exc).__name__}: {exc}; {self._outcome()}"
+                ) from exc
+        self.weight_version = weight_version
+        self.weights_incomplete = False
+
+    def _outcome(self) -> str:
+        """What a failed round left behind, for error messages."""
+        state = (
+            "the model holds a mix of versions until a round completes"
+            if self.weights_incomplete
+            else "the model's weights are unchanged"
+        )
+        return f"the published version stays {self.weight_version!r} and {state}"
+
+    def _drain_quietly(self, when: str) -> None:
+        """Wait for leftover apply work (bounded); drop errors of abandoned rounds."""
+        if not self._applier.wait(self._drain_timeout):
+            raise self._applier.stuck_error(self._drain_timeout, when)
+        try:
+            self._applier.drain()
+        except ApplyError as exc:  # reported already, or belongs to an abandoned round
+            logger.debug("dropping an error from an abandoned round: %r", exc)
+
+    def _require_init(self) -> tuple[ReceiverTransport, TransferPlan, ModelTarget]:
+        receiver, plan, target = self.receiver, self._plan, self._target
+        if receiver is None or plan is None or target is None:
+            raise TransferError(
+                f"the {self.config.backend} worker engine is not initialised: call "
+                f"init_weight_transfer_engine first"
+            )
+        if not receiver.usable:
+            raise TransferError(
+                "the previous round broke the connection to the trainer: call "
+                "init_weight_transfer_engine again (a new trainer_init) to reconnect"
+            )
+        return receiver, plan, target
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        super().set_weight_update_target(model, model_config)
+        if self._plan is not None and self.receiver is not None:
+            self._target = self._resolve(model, self._plan, self.receiver)
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        if self._plan is not None and self.receiver is not None:
+            self._target = self._resolve(self.model, self._plan, self.receiver)
+
+    def shutdown(self) -> None:
+        """Disconnect and stop the apply threads (after queued work, up to `drain_timeout`)."""
+        if self.receiver is not None:
+            self.receiver.close()
+        self._applier.shutdown(self._drain_timeout)

@@ -1,0 +1,221 @@
+"""One worker engine driven under the round state machine: the worker server's and
+`LocalClient`'s shared path to an engine.
+
+Each control call asks `RoundState` first (a refusal is a `RoundConflictError` and
+changes nothing), runs the engine call in a worker thread, then reports the outcome.
+Start and finish run one at a time; an update runs for a whole round, so it holds
+no lock, and the state machine keeps a late one out of the next round.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import anyio
+import anyio.to_thread
+
+from .._core.errors import PlanMismatchError, RoundConflictError, StaleRoundError, TransferError
+from .base import WeightTransferEngine
+from .rounds import RoundState
+
+__all__ = ["InvalidInfoError", "RoundDriver", "finish_engine_round"]
+
+T = TypeVar("T")
+Engine = WeightTransferEngine[Any, Any]
+
+_REFUSALS = (PlanMismatchError, StaleRoundError, RoundConflictError)
+"""Engine errors that mean "not this update" before anything changed."""
+
+
+class InvalidInfoError(ValueError):
+    """The engine's `parse_*_info` rejected an info (its `ValueError`/`TypeError`)."""
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    return await anyio.to_thread.run_sync(fn)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _optional_str(info: object, name: str) -> str | None:
+    value = getattr(info, name, None)
+    return value if isinstance(value, str) and value else None
+
+
+def _optional_int(info: object, name: str) -> int | None:
+    value = getattr(info, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def finish_engine_round(engine: Engine, weight_version: str | None) -> None:
+    """Call `engine.finish_weight_update`, passing `weight_version` when one is given.
+
+    vLLM's base signature takes no argument; asyncwt's engines accept an optional
+    `weight_version` that they publish after the drain. Without a version the call
+    is the plain spec one, so both kinds of engine work; an engine that cannot take
+    a version it is given fails with a `TypeError` saying so.
+    """
+    finish = engine.finish_weight_update
+    if weight_version is None:
+        finish()
+        return
+    try:
+        inspect.signature(finish).bind(weight_version)
+    except TypeError:
+        raise TypeError(
+            f"{type(engine).__name__}.finish_weight_update takes no weight_version; "
+            f"got {weight_version!r}"
+        ) from None
+    cast(Any, finish)(weight_version)
+
+
+class RoundDriver:
+    """Drives one engine's rounds under a `RoundState` (see the module docstring).
+
+    Args:
+        engine: the engine, or None to build one with `create` at the first init.
+        create: builds a new engine after `shutdown(drop=True)` (the server's way).
+    """
+
+    def __init__(
+        self, engine: Engine | None, *, create: Callable[[], Engine] | None = None
+    ) -> None:
+        self.engine = engine
+        self._create = create
+        self.state = RoundState()
+        self._init_lock = anyio.Lock()
+        self._transition = anyio.Lock()
+        """Held around the engine's start and finish: they never overlap."""
+
+    @property
+    def weights_incomplete(self) -> bool:
+        """Whether the weights may be a mix: recorded, or the engine says so right now."""
+        return self.state.weights_incomplete or self._engine_flag(self.engine) is True
+
+    def ready_engine(self, route: str) -> Engine:
+        """The initialised engine, or a `RoundConflictError` saying to init first."""
+        if self.engine is None or not self.state.initialized:
+            raise RoundConflictError(
+                f"{route} needs an initialised transfer engine: "
+                "POST /init_weight_transfer_engine first"
+            )
+        return self.engine
+
+    async def init(self, init_info: dict[str, Any]) -> None:
+        """Parse `init_info` and init the engine (a second init re-initialises).
+
+        Abandons the open round. Cancellation: waits for the engine's thread.
+        """
+        async with self._init_lock:
+            if self.engine is None:
+                if self._create is None:
+                    raise RuntimeError("this engine was shut down; create a new one")
+                self.engine = await _in_thread(self._create)
+            engine = self.engine
+            parsed = await self._parse(functools.partial(engine.parse_init_info, init_info))
+            async with self._transition:
+                self.state.begin_init()
+                try:
+                    await _in_thread(functools.partial(engine.init_transfer_engine, parsed))
+                finally:
+                    self._note_engine(engine)
+                if self.engine is not engine:
+                    raise RoundConflictError("the transfer engine was shut down during its init")
+                self.state.end_init(_optional_str(parsed, "trainer_id"))
+
+    async def start(self, *, round_id: int | None = None, trainer_id: str | None = None) -> None:
+        """Open a round (abandoning an open one) and start it on the engine."""
+        engine = self.ready_engine("start_weight_update")
+        async with self._transition:
+            opened = self.state.start(round_id=round_id, trainer_id=trainer_id)
+            try:
+                await _in_thread(engine.start_weight_update)
+            except BaseException as exc:
+                self.state.start_failed(opened, _describe(exc))
+                raise
+            finally:
+                self._note_engine(engine)
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        """Receive one update of the open round (see `RoundState.begin_update`)."""
+        engine = self.ready_engine("update_weights")
+        parsed = await self._parse(functools.partial(engine.parse_update_info, update_info))
+        ticket = self.state.begin_update(
+            round_id=_optional_int(parsed, "round_id"),
+            trainer_id=_optional_str(parsed, "trainer_id"),
+            carries_ids=hasattr(parsed, "round_id") and hasattr(parsed, "trainer_id"),
+        )
+        try:
+            await _in_thread(functools.partial(engine.update_weights, update_info))
+        except _REFUSALS:
+            self.state.end_update(ticket, refused=True)
+            raise
+        except BaseException as exc:
+            self.state.end_update(ticket, error=_describe(exc))
+            self._note_engine(engine, default=True)
+            raise
+        self.state.end_update(ticket)
+        self._note_engine(engine)
+
+    async def finish(
+        self,
+        weight_version: str | None,
+        *,
+        round_id: int | None = None,
+        trainer_id: str | None = None,
+    ) -> None:
+        """Close the open round: drain the engine, then publish `weight_version` if the
+        whole round succeeded; else raise (a `TransferError` when only the state knew)."""
+        engine = self.ready_engine("finish_weight_update")
+        async with self._transition:
+            closing = self.state.begin_finish(round_id=round_id, trainer_id=trainer_id)
+            try:
+                await _in_thread(functools.partial(finish_engine_round, engine, weight_version))
+            except BaseException as exc:
+                self.state.end_finish(closing, weight_version, error=_describe(exc))
+                self._note_engine(engine, default=True)
+                raise
+            reason = self.state.end_finish(closing, weight_version, error=None)
+            if reason is not None:
+                self._note_engine(engine, default=True)
+                raise TransferError(
+                    f"{closing.name} did not complete, so version {weight_version!r} is not "
+                    f"published: {reason}"
+                )
+            self._note_engine(engine)
+
+    async def shutdown(self, *, drop: bool) -> None:
+        """Shut the engine down (in a thread); `drop` it so the next init builds a new one.
+
+        Takes no lock on purpose: a shutdown must reach an engine stuck in its init.
+        The published version and `weights_incomplete` outlive the engine.
+        """
+        engine = self.engine
+        self._note_engine(engine)
+        self.state.shut_down()
+        if drop:
+            self.engine = None
+        if engine is not None:
+            await _in_thread(engine.shutdown)
+
+    def _note_engine(self, engine: Engine | None, *, default: bool = False) -> None:
+        """Record the engine's own `weights_incomplete`; `default` where it has none."""
+        flag = self._engine_flag(engine)
+        self.state.note_incomplete(default if flag is None else flag)
+
+    @staticmethod
+    def _engine_flag(engine: Engine | None) -> bool | None:
+        flag = getattr(engine, "weights_incomplete", None)
+        return flag if isinstance(flag, bool) else None
+
+    @staticmethod
+    async def _parse(fn: Callable[[], T]) -> T:
+        try:
+            return await _in_thread(fn)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInfoError(str(exc)) from exc
