@@ -96,7 +96,9 @@ class FaultySource(WeightSource):
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.inner = ModuleSource(model)
-        self.fault: Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]] | None = None
+        self.fault: (
+            Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]] | None
+        ) = None
         self.delay = 0.0
         """Seconds to sleep before each yield."""
         self.hang_at: str | None = None

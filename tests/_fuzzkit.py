@@ -62,7 +62,9 @@ EXTREMES = [0, 1, 2, 3, 4, 5, 6, 255, 2**31, 2**32 - 1, 2**63, 2**64 - 1]
 
 def small_plan() -> TransferPlan:
     """The plan of `_models.mixed()` in test-sized buckets (several buckets)."""
-    return TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=_models.BUCKET_BYTES)
+    return TransferPlan.build(
+        ModuleSource(_models.mixed()).metadata, bucket_bytes=_models.BUCKET_BYTES
+    )
 
 
 # -- handshakes -------------------------------------------------------------------------
@@ -155,7 +157,9 @@ def valid_round(plan: TransferPlan, round_id: int, payload: Callable[[int], byte
     digest = digest_prefix(plan.digest)
     parts = []
     for bucket in plan.buckets:
-        parts.append(Frame(FrameKind.BUCKET, round_id, bucket.index, digest, bucket.payload_bytes).pack())
+        parts.append(
+            Frame(FrameKind.BUCKET, round_id, bucket.index, digest, bucket.payload_bytes).pack()
+        )
         parts.append(payload(bucket.payload_bytes))
     parts.append(Frame(FrameKind.END, round_id, len(plan.buckets), digest, 0).pack())
     return parts
@@ -179,7 +183,9 @@ def bounded_reads(limit: int) -> Iterator[list[int]]:
         _link.recv_exact = original  # type: ignore[attr-defined]
 
 
-def receive(receiver: Any, target: ModelTarget, stream: bytes, sock: socket.socket, feed: socket.socket) -> int:
+def receive(
+    receiver: Any, target: ModelTarget, stream: bytes, sock: socket.socket, feed: socket.socket
+) -> int:
     """Write `stream` (then EOF) from a thread while `receiver` reads round 1.
 
     Returns how many buckets the receiver yielded (if the round completes).
@@ -216,13 +222,19 @@ RING_SLOTS = 2
 
 
 def frame_receiver(
-    transport: str, plan: TransferPlan, model: torch.nn.Module, sock: socket.socket, pool: ReceivePool
+    transport: str,
+    plan: TransferPlan,
+    model: torch.nn.Module,
+    sock: socket.socket,
+    pool: ReceivePool,
 ) -> tuple[Any, ModelTarget]:
     """A worker's receiver for `transport` ("tcp" or "ring") reading `sock`, and its target.
 
     The tcp receiver stages through `pool`; the ring receiver reads its own two slots.
     """
-    info = TcpWorkerInitInfo(plan=plan.to_wire(), host="127.0.0.1", port=1, token=TOKEN, recv_timeout=2.0)
+    info = TcpWorkerInitInfo(
+        plan=plan.to_wire(), host="127.0.0.1", port=1, token=TOKEN, recv_timeout=2.0
+    )
     if transport == "tcp":
         receiver: Any = TcpReceiver(info, plan, pool)
         receiver.link = WorkerLink(sock, plan, 2.0, slots=1)

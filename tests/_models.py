@@ -53,7 +53,9 @@ class LargeSlices(nn.Module):
         self.a = nn.Parameter(torch.zeros(512, 1024))  # 2 MiB
         self.tiny = nn.Parameter(torch.zeros(3, 3, dtype=torch.float16))
         self.c = nn.Parameter(torch.zeros(1024, 700, dtype=torch.float16))  # 1.4 MiB
-        self.b = nn.Parameter(torch.zeros(3 * 1024 * 1024 + 5, dtype=torch.bfloat16))  # 6 MiB: chunked
+        self.b = nn.Parameter(
+            torch.zeros(3 * 1024 * 1024 + 5, dtype=torch.bfloat16)
+        )  # 6 MiB: chunked
         self.tail = nn.Parameter(torch.zeros(7))
 
 

@@ -58,7 +58,10 @@ async def test_cuda_ipc_rounds_are_bit_exact(workers: int) -> None:
                     assert stats.workers == workers
                     expected = model_checksum(model)
                     for status in await client.weights_status():
-                        assert (status["weight_version"], status["checksum"]) == (f"ipc-{r}", expected)
+                        assert (status["weight_version"], status["checksum"]) == (
+                            f"ipc-{r}",
+                            expected,
+                        )
     finally:
         for cm in reversed(stack):
             cm.__exit__(None, None, None)

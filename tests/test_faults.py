@@ -243,7 +243,9 @@ async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recov
                         with pytest.raises((TransferError, ControlPlaneError)) as caught:
                             await engine.send_weights(weight_version="killed")
                 elapsed = time.monotonic() - started
-                print(f"{backend}: worker killed: {type(caught.value).__name__} after {elapsed:.2f}s")
+                print(
+                    f"{backend}: worker killed: {type(caught.value).__name__} after {elapsed:.2f}s"
+                )
                 assert elapsed < 10
                 # The worker is gone: the next round fails at once too.
                 with anyio.fail_after(10), pytest.raises((TransferError, ControlPlaneError)):

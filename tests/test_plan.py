@@ -32,7 +32,9 @@ def test_plan_chunks_tensor_larger_than_bucket() -> None:
 def test_plan_covers_every_byte_once_and_aligns_slices() -> None:
     plan = TransferPlan.build(metas(), bucket_bytes=128, alignment=16)
     for index, meta in enumerate(plan.params):
-        covered = sorted((s.start, s.end) for b in plan.buckets for s in b.slices if s.param == index)
+        covered = sorted(
+            (s.start, s.end) for b in plan.buckets for s in b.slices if s.param == index
+        )
         position = 0
         for start, end in covered:
             assert start == position
@@ -45,7 +47,9 @@ def test_plan_covers_every_byte_once_and_aligns_slices() -> None:
 def test_plan_keeps_zero_size_and_zero_dim_tensors() -> None:
     plan = TransferPlan.build(metas(), bucket_bytes=128, alignment=16)
     assert plan.param_buckets[1] and plan.param_buckets[3]
-    only_empty = TransferPlan.build([ParamMeta("e", torch.float32, (0,))], bucket_bytes=64, alignment=16)
+    only_empty = TransferPlan.build(
+        [ParamMeta("e", torch.float32, (0,))], bucket_bytes=64, alignment=16
+    )
     assert len(only_empty.buckets) == 1 and only_empty.buckets[0].payload_bytes == 0
 
 
@@ -66,22 +70,31 @@ def test_plan_round_trips_through_its_wire_form() -> None:
 def test_plan_from_wire_rejects_a_tampered_digest() -> None:
     wire = TransferPlan.build(metas(), bucket_bytes=128, alignment=16).to_wire()
     wire["digest"] = "0" * 64
-    with pytest.raises(PlanMismatchError, match=r"^the trainer's plan: transfer plan digest 0{16}… does not match"):
+    with pytest.raises(
+        PlanMismatchError, match=r"^the trainer's plan: transfer plan digest 0{16}… does not match"
+    ):
         TransferPlan.from_wire(wire)
 
 
 def test_plan_from_wire_rejects_malformed_input() -> None:
     with pytest.raises(ValueError, match=r"^plan description is malformed: KeyError\('params'\)$"):
         TransferPlan.from_wire({})
-    with pytest.raises(ValueError, match=r"^dtype should name a torch dtype \(e\.g\. 'float32'\), got 'nope'$"):
-        TransferPlan.from_wire({"params": [["a", "nope", [1]]], "bucket_bytes": 64, "alignment": 16, "digest": ""})
+    with pytest.raises(
+        ValueError, match=r"^dtype should name a torch dtype \(e\.g\. 'float32'\), got 'nope'$"
+    ):
+        TransferPlan.from_wire(
+            {"params": [["a", "nope", [1]]], "bucket_bytes": 64, "alignment": 16, "digest": ""}
+        )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"bucket_bytes": 0}, r"^bucket_bytes should be a positive int, got 0$"),
-        ({"bucket_bytes": 100}, r"^bucket_bytes should be a multiple of alignment \(64\), got 100$"),
+        (
+            {"bucket_bytes": 100},
+            r"^bucket_bytes should be a multiple of alignment \(64\), got 100$",
+        ),
         ({"alignment": 24}, r"^alignment should be a power of two >= 16, got 24$"),
     ],
 )

@@ -50,13 +50,18 @@ class _StatusReader:
 def test_plain_loop_pushes_bit_exact_rounds(worker_url: str) -> None:
     model = _models.mixed()
     status = _StatusReader(worker_url)
-    with SyncTrainerEngine(info(), client=HttpClient(worker_url), source=ModuleSource(model)) as engine:
+    with SyncTrainerEngine(
+        info(), client=HttpClient(worker_url), source=ModuleSource(model)
+    ) as engine:
         for step in range(1, 3):
             _models.randomize(model, seed=step)
             stats = engine.send_weights(weight_version=f"sync-{step}")
             assert stats.round_id == step and stats.weight_version == f"sync-{step}"
             got = status()
-            assert (got["weight_version"], got["checksum"]) == (f"sync-{step}", model_checksum(model))
+            assert (got["weight_version"], got["checksum"]) == (
+                f"sync-{step}",
+                model_checksum(model),
+            )
 
 
 @pytest.mark.asyncio
@@ -66,7 +71,9 @@ async def test_refuses_to_run_inside_an_event_loop(worker_url: str) -> None:
         match=r"^SyncTrainerEngine\.__init__ was called from inside a running event loop, where "
         r"it would block the loop; use the async engine instead: ",
     ):
-        SyncTrainerEngine(info(), client=HttpClient(worker_url), source=ModuleSource(_models.mixed()))
+        SyncTrainerEngine(
+            info(), client=HttpClient(worker_url), source=ModuleSource(_models.mixed())
+        )
 
 
 class _InterruptingSource(ModuleSource):

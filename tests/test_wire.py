@@ -64,7 +64,9 @@ def test_handshake_proof_is_bound_to_the_plan_digest() -> None:
 
 def test_handshake_result_maps_to_errors() -> None:
     check_result(pack_result(HandshakeStatus.OK))
-    with pytest.raises(AuthenticationError, match=r"^the trainer refused this worker's token proof$"):
+    with pytest.raises(
+        AuthenticationError, match=r"^the trainer refused this worker's token proof$"
+    ):
         check_result(pack_result(HandshakeStatus.BAD_PROOF))
     with pytest.raises(PlanMismatchError, match=r"^the trainer's transfer plan differs"):
         check_result(pack_result(HandshakeStatus.PLAN_MISMATCH))
@@ -73,5 +75,7 @@ def test_handshake_result_maps_to_errors() -> None:
 def test_hello_rejects_another_protocol() -> None:
     data = bytearray(pack_hello(b"w" * 32, DIGEST))
     data[4] = 9
-    with pytest.raises(ProtocolError, match=r"^peer speaks protocol version 9, this side speaks 1$"):
+    with pytest.raises(
+        ProtocolError, match=r"^peer speaks protocol version 9, this side speaks 1$"
+    ):
         unpack_hello(bytes(data))

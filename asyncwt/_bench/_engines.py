@@ -116,7 +116,9 @@ class BackendEntry:
 BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry(name="tcp", info_class="asyncwt._transports.tcp.settings:TcpTrainerInitInfo"),
     BackendEntry(name="shm", info_class="asyncwt._transports.shm.backend:ShmTrainerInitInfo"),
-    BackendEntry(name="torch_dist", info_class="asyncwt._transports.torch_dist:TorchDistTrainerInitInfo"),
+    BackendEntry(
+        name="torch_dist", info_class="asyncwt._transports.torch_dist:TorchDistTrainerInitInfo"
+    ),
 )
 """Every backend the benchmark can run, in report order; a new one is one entry."""
 

@@ -199,7 +199,9 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return 0
 
 
-def _import_object(spec: str, option: str, parser: argparse.ArgumentParser) -> Callable[..., object]:
+def _import_object(
+    spec: str, option: str, parser: argparse.ArgumentParser
+) -> Callable[..., object]:
     """Import `MODULE:NAME` (NAME may be dotted) and check that it is callable."""
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
@@ -214,7 +216,9 @@ def _import_object(spec: str, option: str, parser: argparse.ArgumentParser) -> C
         except AttributeError:
             parser.error(f"{option} {spec}: {module_name} has no attribute {attr_path!r}")
     if not callable(target):
-        parser.error(f"{option} {spec}: {attr_path} should be callable, got {type(target).__name__}")
+        parser.error(
+            f"{option} {spec}: {attr_path} should be callable, got {type(target).__name__}"
+        )
     return target
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import anyio.to_thread
 
@@ -55,7 +55,7 @@ class AsyncWeightSyncClient(Protocol):
     async def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-AnyWeightSyncClient = Union[VLLMWeightSyncClient, AsyncWeightSyncClient]
+AnyWeightSyncClient: TypeAlias = VLLMWeightSyncClient | AsyncWeightSyncClient
 
 _METHODS = (
     "init_weight_transfer_engine",

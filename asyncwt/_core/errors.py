@@ -15,7 +15,12 @@ Hierarchy::
     └── ControlPlaneError      an RPC to a worker failed (HTTP status, bad reply)
 
 Bad arguments are `ValueError`/`TypeError`, as in the standard library: they are the
-caller's bug, not a runtime condition of the transfer.
+caller's bug, not a runtime condition of the transfer. One rule settles which: a
+value that fails validation (a setting, an init or update info, a request body) is
+a `ValueError` even when what is wrong is its type, because validation is one
+kind of check and the worker server answers every `ValueError` with 400. A
+`TypeError` is kept for a programming error in a call (an object of the wrong
+class handed to an API). Ruff's TRY004 is off for this reason (pyproject.toml).
 """
 
 from __future__ import annotations

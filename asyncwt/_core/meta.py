@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TypeAlias
 
 import torch
 
@@ -23,7 +23,7 @@ class Shard:
     dim: int
 
 
-Placement = Union[Shard, Replicate]
+Placement: TypeAlias = Shard | Replicate
 
 
 def _is_rank(value: object) -> bool:
@@ -75,7 +75,9 @@ class ParamMeta:
                 f"ranks, got {self.owners!r}"
             )
         mesh_shape = (len(owners),) if self.mesh_shape is None else tuple(self.mesh_shape)
-        if any(not _is_rank(d) or d == 0 for d in mesh_shape) or math.prod(mesh_shape) != len(owners):
+        if any(not _is_rank(d) or d == 0 for d in mesh_shape) or math.prod(mesh_shape) != len(
+            owners
+        ):
             raise ValueError(
                 f"parameter {self.name!r}: mesh_shape should cover its {len(owners)} "
                 f"owners, got {mesh_shape!r}"

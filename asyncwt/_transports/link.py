@@ -279,10 +279,13 @@ class TrainerLinks:
     def check_from_worker(self, peer: Peer, frame: Frame) -> Frame:
         """Validate a worker → trainer frame (READY, RELEASE): they carry no payload."""
         if frame.kind not in (FrameKind.READY, FrameKind.RELEASE):
-            raise self.protocol_error(peer, f"sent a {frame.kind.name} frame, which only the trainer sends")
+            raise self.protocol_error(
+                peer, f"sent a {frame.kind.name} frame, which only the trainer sends"
+            )
         if frame.nbytes != 0:
             raise self.protocol_error(
-                peer, f"sent a {frame.kind.name} frame announcing {frame.nbytes} payload bytes; it has none"
+                peer,
+                f"sent a {frame.kind.name} frame announcing {frame.nbytes} payload bytes; it has none",
             )
         if frame.digest != self.digest:
             raise self.protocol_error(
@@ -374,7 +377,9 @@ class TrainerLinks:
             try:
                 await self.send_frame(peer, [memoryview(header.pack()), memoryview(text)], "abort")
             except AsyncwtError as exc:
-                logger.warning("could not abort round %d on %s: %s", self.round_id, peer.address, exc)
+                logger.warning(
+                    "could not abort round %d on %s: %s", self.round_id, peer.address, exc
+                )
 
         async with anyio.create_task_group() as tg:
             for peer in self.peers:
@@ -627,6 +632,8 @@ class _LinkGuard:
                 f"{_RECONNECT}"
             ) from exc
         if isinstance(exc, OSError):
-            raise TransferError(f"{where}: the data connection failed: {exc}; {_RECONNECT}") from exc
+            raise TransferError(
+                f"{where}: the data connection failed: {exc}; {_RECONNECT}"
+            ) from exc
         if isinstance(exc, TransferError) and not str(exc).startswith("round "):
             raise type(exc)(f"{where}: {exc}; {_RECONNECT}") from exc

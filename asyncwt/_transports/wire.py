@@ -106,7 +106,9 @@ class Frame:
         return cls(frame_kind, round_id, index, digest, nbytes, slot)
 
 
-def _unpack(layout: struct.Struct, data: bytes | bytearray | memoryview, what: str) -> tuple[Any, ...]:
+def _unpack(
+    layout: struct.Struct, data: bytes | bytearray | memoryview, what: str
+) -> tuple[Any, ...]:
     if len(data) != layout.size:
         raise ProtocolError(f"{what} should be {layout.size} bytes, got {len(data)}")
     return layout.unpack(data)

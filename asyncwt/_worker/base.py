@@ -72,7 +72,11 @@ class WeightTransferConfig:
             raise ValueError(f"staged should be a bool, got {self.staged!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend should be a non-empty str, got {self.backend!r}")
-        if not isinstance(self.apply_threads, int) or isinstance(self.apply_threads, bool) or self.apply_threads < 1:
+        if (
+            not isinstance(self.apply_threads, int)
+            or isinstance(self.apply_threads, bool)
+            or self.apply_threads < 1
+        ):
             raise ValueError(f"apply_threads should be an int >= 1, got {self.apply_threads!r}")
         if self.transform is not None and not callable(self.transform):
             raise ValueError(f"transform should be callable or None, got {self.transform!r}")
