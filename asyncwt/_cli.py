@@ -16,6 +16,7 @@ import torch
 
 from ._concurrency import unwrap_group
 from ._server import format_url, serve
+from ._server_limits import ServerLimits
 from ._worker import WeightTransferConfig
 
 if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
@@ -102,6 +103,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             "weights intact (costs one extra copy of the weights)"
         ),
     )
+    defaults = ServerLimits()
+    worker.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout,
+        metavar="S",
+        help="seconds a new connection has to send its request's headers (default %(default)s)",
+    )
+    worker.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        metavar="S",
+        help="seconds to read a request's body (default %(default)s)",
+    )
+    worker.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections open at once (default: half of ulimit -n, at most 1024)",
+    )
+    worker.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        metavar="N",
+        help="largest body of init_weight_transfer_engine and update_weights (default %(default)s)",
+    )
     worker.set_defaults(run=_worker_command)
 
     demo = commands.add_parser(
@@ -161,6 +191,12 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             transform_elementwise=args.transform_elementwise,
             staged=args.staged,
         )
+        limits = ServerLimits(
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
+            max_body_bytes=args.max_body_bytes,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     model = _build_model(args.model, parser)
@@ -171,6 +207,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             config,
             args.host,
             args.port,
+            limits,
             backend="asyncio",
             backend_options={"use_uvloop": _uvloop_installed()},
         )
@@ -215,7 +252,11 @@ def _uvloop_installed() -> bool:
 
 
 async def _serve_until_signal(
-    model: torch.nn.Module, config: WeightTransferConfig, host: str, port: int
+    model: torch.nn.Module,
+    config: WeightTransferConfig,
+    host: str,
+    port: int,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then stop cleanly."""
 
@@ -225,7 +266,9 @@ async def _serve_until_signal(
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                functools.partial(serve, model, config=config, host=host, port=port, ready=ready)
+                functools.partial(
+                    serve, model, config=config, host=host, port=port, ready=ready, limits=limits
+                )
             )
             async for signum in signals:
                 logger.info("received %s, stopping", signal.Signals(signum).name)
