@@ -45,6 +45,7 @@ from ._local_client import finish_engine_round
 from ._registry import create_worker_engine
 from ._server_limits import (
     DEFAULT_MAX_BODY_BYTES,
+    EMPTY,
     BodyError,
     GuardedSite,
     ServerLimits,
@@ -147,7 +148,7 @@ async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str,
         body = await read_json_body(request)
     except BodyError as exc:
         raise _ApiError(exc.status, exc.message) from None
-    if body is None:
+    if body is EMPTY:
         return {}
     if not isinstance(body, dict):
         raise _ApiError(400, f"request body should be a JSON object, got a JSON {_json_kind(body)}")

@@ -39,6 +39,7 @@ from ._settings import check_positive, check_timeout
 __all__ = [
     "BODY_LIMITS",
     "DEFAULT_MAX_BODY_BYTES",
+    "EMPTY",
     "LIMITS_KEY",
     "BodyError",
     "GuardedSite",
@@ -124,6 +125,10 @@ _large_body: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("asyncw
 _parse_limiter: anyio.CapacityLimiter | None = None
 
 
+EMPTY: Any = object()
+"""What `read_json_body` returns for a body of nothing but whitespace."""
+
+
 class BodyError(Exception):
     """A body refused before it reached a route: the status and the message."""
 
@@ -134,7 +139,7 @@ class BodyError(Exception):
 
 
 async def read_json_body(request: web.Request) -> Any:
-    """The request's body as parsed JSON (`None` for an empty body).
+    """The request's body as parsed JSON (`EMPTY` for an empty body).
 
     Raises `BodyError` (413, 408, 400) naming the setting that refused it.
     """
@@ -185,7 +190,7 @@ async def read_json_body(request: web.Request) -> Any:
     raw = b"".join(chunks)
     del chunks
     if not raw.strip():
-        return None
+        return EMPTY
     if len(raw) <= _INLINE_PARSE_BYTES:
         return _loads(raw)
     marker = _large_body.get(None)
