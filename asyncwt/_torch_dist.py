@@ -48,6 +48,7 @@ from ._link import LinkedSender, WorkerLink, connect_link
 from ._pipeline import Settle
 from ._plan import Bucket, Slice, TransferPlan
 from ._settings import check_positive
+from ._store import StoreClient, StoreServer, store_digest
 from ._tcp_info import LinkedTrainerInfo, TcpWorkerInitInfo
 from ._trainer import TrainerInitInfo
 from ._trainer_engine import PipelinedTrainerEngine, _default_device
@@ -248,7 +249,8 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     num_workers: int = 1
     """Workers that will join: a collective group has a fixed size."""
     store_port: int = 0
-    """Port of the group's TCPStore; 0 picks a free one."""
+    """Port of the group's rendezvous store (which admits only workers that prove the
+    token); 0 picks a free one."""
     group_backend: str | None = None
     """`"gloo"` or `"nccl"`; `None` picks NCCL for a CUDA device, else gloo."""
 
@@ -311,7 +313,8 @@ class TorchDistSender(LinkedSender):
         """Where the broadcasts' buffers live when it is not the host (`_wait_all`)."""
         self.in_flight_buckets = IN_FLIGHT_BUCKETS
         self.group: dist.ProcessGroup | None = None
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
+        self.store_server: StoreServer | None = None
         self.group_key = ""
         self._staging: list[torch.Tensor | None] = [None] * info.num_buffers
 
@@ -334,19 +337,23 @@ class TorchDistSender(LinkedSender):
         collective rendezvous that cannot complete.
         """
         info = self.info
-        timeout = datetime.timedelta(seconds=info.connect_timeout)
-        self.store = dist.TCPStore(
+        # The store admits only workers that prove the token (see `_store`): a
+        # TCPStore would list its keys, and take writes, from anyone who reaches it.
+        self.store_server = StoreServer(
             info.host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=_store_listener(info.host, info.store_port),
+            info.store_port,
+            token=info.token,
+            digest=store_digest(self.plan.digest),
+            timeout=info.connect_timeout,
+            handshake_timeout=min(info.handshake_timeout, info.connect_timeout),
+            max_pending=info.max_pending_handshakes,
+            max_peers=info.num_workers,
         )
+        self.store = self.store_server.local_store()
         self.group_key = secrets.token_hex(16)
         fields = {
             **worker_fields,
-            "store_port": self.store.port,
+            "store_port": self.store_server.port,
             "group_key": self.group_key,
             "world_size": info.num_workers + 1,
             "group_backend": self.group_backend,
@@ -458,6 +465,9 @@ class TorchDistSender(LinkedSender):
         super().close()
         self._leave_group()
         self.store = None
+        if self.store_server is not None:
+            self.store_server.close()
+            self.store_server = None
         self._staging = [None] * len(self._staging)
 
 
@@ -522,6 +532,7 @@ class TorchDistReceiver(ReceiverTransport):
         self.device = device
         self.link: WorkerLink | None = None
         self.store: dist.Store | None = None
+        self.store_client: StoreClient | None = None
         self.rank = 0
         self.group: dist.ProcessGroup | None = None
 
@@ -539,9 +550,14 @@ class TorchDistReceiver(ReceiverTransport):
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=info.num_buffers)
         try:
-            timeout = datetime.timedelta(seconds=info.connect_timeout)
-            store = dist.TCPStore(info.host, info.store_port, is_master=False, timeout=timeout)
-            self.store = dist.PrefixStore(f"asyncwt/{info.group_key}/", store)
+            self.store_client = StoreClient(
+                info.host,
+                info.store_port,
+                token=info.token,
+                digest=store_digest(self.plan.digest),
+                timeout=info.connect_timeout,
+            )
+            self.store = dist.PrefixStore(f"asyncwt/{info.group_key}/", self.store_client)
             self.rank = int(self.store.add("worker_rank", 1))
             if self.rank >= info.world_size:
                 raise TransferError(
@@ -692,6 +708,9 @@ class TorchDistReceiver(ReceiverTransport):
     def _leave_group(self) -> None:
         group, self.group = self.group, None
         _release_group(group)
+        client, self.store_client = self.store_client, None
+        if client is not None:  # the group is gone: so is the need for the store
+            client.close()
 
     def close(self) -> None:
         if self.link is not None:
