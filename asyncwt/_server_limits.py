@@ -248,9 +248,11 @@ async def return_memory(
 class _ConnectionGuard:
     """Counts the server's connections and cuts off the slow and the idle.
 
-    A connection is *waiting* while it has not yet sent a (next) request's headers:
-    from its start, and again once a request's handler returned. Waiting ones are
-    kept oldest first; a new connection past `max_connections` evicts the oldest.
+    A connection is *waiting* while it waits on its client: for a (next) request's
+    headers, from its start and again once a request's handler returned, and for a
+    request's body. Waiting ones are kept oldest first; a new connection past
+    `max_connections` evicts the oldest that never completed a request, else the
+    oldest.
     """
 
     def __init__(self, limits: ServerLimits) -> None:
@@ -258,15 +260,14 @@ class _ConnectionGuard:
         self.cap = limits.connection_cap()
         self.live: set[asyncio.BaseTransport] = set()
         self.waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle | None] = {}
+        self.served: set[asyncio.BaseTransport] = set()
+        """Connections that completed a request (evicted only after the others)."""
 
     def opened(self, transport: asyncio.BaseTransport) -> bool:
         """Admit `transport` (evicting a waiting one if full), or refuse it."""
         self.live.add(transport)
         if len(self.live) > self.cap:
-            victim = next(
-                (t for t in self.waiting if _write_buffer_empty(t)),
-                None,
-            )
+            victim = self._victim()
             if victim is None:
                 logger.warning(
                     "refused a connection: max_connections=%d are all busy",
@@ -281,6 +282,14 @@ class _ConnectionGuard:
         deadline = loop.call_later(self.limits.header_timeout, self._expire, transport)
         self.waiting[transport] = deadline
         return True
+
+    def _victim(self) -> asyncio.BaseTransport | None:
+        """The connection to evict: the longest-waiting one that never completed a
+        request (a slowloris), else the longest-waiting one; never one whose
+        response is still being written."""
+        candidates = [t for t in self.waiting if _write_buffer_empty(t)]
+        fresh = (t for t in candidates if t not in self.served)
+        return next(fresh, candidates[0] if candidates else None)
 
     def _expire(self, transport: asyncio.BaseTransport) -> None:
         if self.waiting.get(transport) is not None:
@@ -306,10 +315,12 @@ class _ConnectionGuard:
         if transport is not None and transport in self.live:
             self.waiting.pop(transport, None)
             self.waiting[transport] = None
+            self.served.add(transport)
 
     def drop(self, transport: asyncio.BaseTransport) -> None:
         self.busy(transport)
         self.live.discard(transport)
+        self.served.discard(transport)
 
 
 def _write_buffer_empty(transport: asyncio.BaseTransport) -> bool:

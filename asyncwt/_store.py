@@ -111,6 +111,7 @@ class _Keys:
         self.timeout = timeout
         self.data: dict[str, bytes] = {}
         self.bytes = 0
+        self.closed = False
         self.changed = threading.Condition()
 
     def _put(self, key: str, value: bytes) -> None:
@@ -147,8 +148,12 @@ class _Keys:
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         limit = self.timeout if timeout is None else timeout
         with self.changed:
-            if not self.changed.wait_for(lambda: all(k in self.data for k in keys), limit):
+            if not self.changed.wait_for(
+                lambda: self.closed or all(k in self.data for k in keys), limit
+            ):
                 raise TimeoutError(f"store keys {list(keys)} did not appear within {limit}s")
+            if self.closed:
+                raise TimeoutError("the store was closed")
 
     def check(self, keys: Sequence[str]) -> bool:
         with self.changed:
@@ -347,6 +352,7 @@ class StoreServer:
         for sock in socks:
             _shut(sock)
         with self.keys.changed:
+            self.keys.closed = True  # every wait ends now
             self.keys.changed.notify_all()
 
 

@@ -225,3 +225,29 @@ def test_server_limits_are_validated_naming_the_setting(
 ) -> None:
     with pytest.raises(ValueError, match=f"^{message}$"):
         ServerLimits(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_full_server_evicts_slow_newcomers_before_a_served_idle_connection() -> None:
+    """At max_connections, half-sent requests evict one another (the oldest first),
+    and a client's kept-alive connection that was served stays usable."""
+    port, stack = _serve_in_thread(ServerLimits(max_connections=8))
+    with stack, socket.create_connection(("127.0.0.1", port)) as client:
+        status = b"GET /weights_status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        client.sendall(status)
+        client.settimeout(10)
+        assert client.recv(4096).startswith(b"HTTP/1.1 200")
+        socks = half_sent_requests(port, 30)
+        try:
+            time.sleep(0.5)
+            open_ones = []
+            for sock in socks:
+                sock.setblocking(True)
+                closed, _ = _closed_within(sock, 0.05)
+                open_ones.append(not closed)
+            assert sum(open_ones) <= 7  # the cap, less the served connection
+            assert open_ones[-1]  # the newest are the ones kept
+            client.sendall(status)  # the same kept-alive connection
+            assert client.recv(4096).startswith(b"HTTP/1.1 200")
+        finally:
+            for sock in socks:
+                sock.close()
