@@ -401,7 +401,8 @@ class GuardedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
