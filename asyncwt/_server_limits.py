@@ -10,7 +10,8 @@
 - `read_json_body`: reads a body with the route's size limit and `body_timeout`,
   refuses a body whose JSON would build more than `max_json_items` values before
   parsing it (a count of `[`, `{` and `,`, which bounds the values json builds), and
-  parses a large body in a worker thread, one at a time.
+  parses a large body in a worker thread, one at a time. The body stays cached on
+  the request (`request.read()`), for middlewares that read it after the handler.
 - `return_memory`: a middleware that gives freed heap back to the system after a
   large request (glibc keeps it otherwise).
 """
@@ -151,33 +152,24 @@ async def read_json_body(request: web.Request) -> Any:
             413,
             f"request body of {request.path} is {declared} bytes, larger than {setting}={limit}",
         )
-    chunks: list[bytes] = []
-    size = items = 0
     guard = request.app.get(GUARD_KEY)
     if guard is not None:
         guard.reading(request.transport)
     try:
+        # `request.read()` (not a stream of our own) so that the body stays cached for
+        # middlewares that read it after the handler; the app's `client_max_size`
+        # bounds a body without a Content-Length while it is read.
         with anyio.fail_after(limits.body_timeout):
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyError(
-                        413,
-                        f"request body of {request.path} is larger than {setting}={limit} bytes",
-                    )
-                items += chunk.count(b"[") + chunk.count(b"{") + chunk.count(b",")
-                if items > limits.max_json_items:
-                    raise BodyError(
-                        413,
-                        f"request body of {request.path} holds more than "
-                        f"max_json_items={limits.max_json_items} JSON values",
-                    )
-                chunks.append(chunk)
+            raw = await request.read()
     except TimeoutError:
         raise BodyError(
             408,
             f"request body of {request.path} did not arrive within "
-            f"body_timeout={limits.body_timeout}s ({size} bytes came)",
+            f"body_timeout={limits.body_timeout}s ({request.content.total_bytes} bytes came)",
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyError(
+            413, f"request body of {request.path} is larger than {setting}={limit} bytes"
         ) from None
     except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
         reason = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
@@ -187,8 +179,18 @@ async def read_json_body(request: web.Request) -> Any:
     finally:
         if guard is not None:
             guard.busy(request.transport)
-    raw = b"".join(chunks)
-    del chunks
+    if len(raw) > limit:
+        raise BodyError(
+            413,
+            f"request body of {request.path} is {len(raw)} bytes, larger than {setting}={limit}",
+        )
+    items = raw.count(b"[") + raw.count(b"{") + raw.count(b",")
+    if items > limits.max_json_items:
+        raise BodyError(
+            413,
+            f"request body of {request.path} holds about {items} JSON values, more than "
+            f"max_json_items={limits.max_json_items}",
+        )
     if not raw.strip():
         return EMPTY
     if len(raw) <= _INLINE_PARSE_BYTES:
