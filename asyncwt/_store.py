@@ -10,8 +10,9 @@ each worker a `StoreClient`, which also checks that the server knows the token.
 
 Every request is bounded: keys and values in size, the store in keys and bytes,
 each blocking wait by the store's timeout, and a connection that has not proved
-the token within `handshake_timeout`, or that waited longest while
-`max_pending_handshakes` are in flight, is closed.
+the token within `handshake_timeout`, or the oldest in its handshake while
+`max_pending_handshakes` are, is closed. The server runs on the trainer's event
+loop, with no thread of its own: a request that waits for a key awaits it.
 
 Wire format after the handshake, both ways: one byte (an op, or a status), one
 byte counting the arguments, then each argument as a little-endian u32 length and
@@ -20,6 +21,7 @@ its bytes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import enum
@@ -29,10 +31,10 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 from torch._C._distributed_c10d import Store
 
 from ._exceptions import AsyncwtError, AuthenticationError, ProtocolError, TransferError
@@ -113,6 +115,7 @@ class _Keys:
         self.bytes = 0
         self.closed = False
         self.changed = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def _put(self, key: str, value: bytes) -> None:
         if len(key.encode()) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
@@ -128,7 +131,38 @@ class _Keys:
             )
         self.data[key] = value
         self.bytes = grown
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every wait, in threads and on event loops (called holding the lock)."""
         self.changed.notify_all()
+        waiters, self._async_waiters = self._async_waiters, []
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # a loop that is closed waits for nothing
+                loop.call_soon_threadsafe(event.set)
+
+    async def wait_async(self, keys: Sequence[str], limit: float) -> None:
+        """`wait`, without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while True:
+            event = asyncio.Event()
+            with self.changed:
+                if self.closed:
+                    raise TimeoutError("the store was closed")
+                if all(k in self.data for k in keys):
+                    return
+                self._async_waiters.append((loop, event))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"store keys {list(keys)} did not appear within {limit}s")
+            with contextlib.suppress(TimeoutError), anyio.fail_after(remaining):
+                await event.wait()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True  # every wait ends now
+            self._notify()
 
     def set(self, key: str, value: bytes) -> None:
         with self.changed:
@@ -242,9 +276,11 @@ def _as_bytes(value: Any) -> bytes:
 
 
 class StoreServer:
-    """Serves the keys to workers that prove the token, on threads of its own.
+    """Serves the keys to workers that prove the token, on the trainer's event loop
+    (no thread of its own: a request that waits for a key awaits it).
 
-    `close()` stops it: the listener and every connection are closed.
+    `await start()` listens; `close()` stops it: the listener and every connection
+    are closed, and every wait ends.
     """
 
     def __init__(
@@ -267,93 +303,112 @@ class StoreServer:
         self.max_peers = max_peers
         self.listener = socket.create_server((host, port), backlog=128)
         self.port: int = self.listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._pending: dict[socket.socket, float] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._pending: dict[asyncio.StreamWriter, None] = {}
         """Connections still in their handshake, the oldest first."""
-        self._peers: set[socket.socket] = set()
+        self._peers: set[asyncio.StreamWriter] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="asyncwt-store", daemon=True)
-        self._thread.start()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, sock=self.listener)
 
     def local_store(self) -> LocalStore:
         return LocalStore(self.keys)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, address = self.listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._pending) >= self.max_pending:
-                    oldest = next(iter(self._pending))
-                    del self._pending[oldest]
-                    _shut(oldest)  # its thread ends on the error
-                self._pending[sock] = time.monotonic()
-            thread = threading.Thread(
-                target=self._serve, args=(sock, f"{address[0]}:{address[1]}"), daemon=True
-            )
-            thread.start()
-
-    def _serve(self, sock: socket.socket, address: str) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if self._closed:
+            writer.transport.abort()
+            return
+        if len(self._pending) >= self.max_pending:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            oldest.transport.abort()  # its handler ends on the error
+        self._pending[writer] = None
         try:
-            sock.settimeout(self.handshake_timeout)
-            if not self._handshake(sock, address):
+            with anyio.fail_after(self.handshake_timeout):
+                admitted = await self._handshake(reader, writer, address)
+            if not admitted:
                 return
-            sock.settimeout(None)
             while True:
-                op, args = _read(sock, MAX_VALUE_BYTES)
+                code, count = await reader.readexactly(2)
+                if count > _ARGS:
+                    raise ProtocolError(f"a store request should carry at most {_ARGS} arguments")
+                args = []
+                for _ in range(count):
+                    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+                    if size > MAX_VALUE_BYTES:
+                        raise ProtocolError(
+                            f"a store argument should be at most {MAX_VALUE_BYTES} bytes"
+                        )
+                    args.append(await reader.readexactly(size))
                 try:
-                    answer = _OK, self.keys.serve(op, args)
+                    if code in (_Op.GET, _Op.WAIT):
+                        await self._until_present(code, args)
+                    answer = _OK, self.keys.serve(code, args)
                 except (ValueError, TimeoutError, UnicodeDecodeError) as exc:
                     answer = _ERROR, [str(exc).encode()]
-                send_all(sock, _pack(*answer))
-        except (OSError, AsyncwtError) as exc:
+                writer.write(_pack(*answer))
+                await writer.drain()
+        except (
+            OSError,
+            EOFError,
+            TimeoutError,
+            AsyncwtError,
+        ) as exc:  # IncompleteReadError is an EOFError
             if not self._closed:
                 logger.debug("asyncwt: store connection %s ended: %r", address, exc)
         finally:
-            with self._lock:
-                self._pending.pop(sock, None)
-                self._peers.discard(sock)
-            sock.close()
+            self._pending.pop(writer, None)
+            self._peers.discard(writer)
+            writer.transport.abort()
 
-    def _handshake(self, sock: socket.socket, address: str) -> bool:
-        worker_nonce, worker_digest = unpack_hello(recv_exact(sock, HELLO_SIZE))
+    async def _until_present(self, code: int, args: list[bytes]) -> None:
+        """Await the keys a GET or WAIT names (bounded by the store's timeout)."""
+        if code == _Op.GET:
+            keys, limit = [args[0].decode()] if args else [], self.keys.timeout
+        else:
+            asked = float(args[0]) if args else 0.0
+            keys = [k.decode() for k in args[1:]]
+            limit = min(asked, self.keys.timeout) if asked > 0 else self.keys.timeout
+        await self.keys.wait_async(keys, limit)
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str
+    ) -> bool:
+        worker_nonce, worker_digest = unpack_hello(await reader.readexactly(HELLO_SIZE))
         trainer_nonce = secrets.token_bytes(32)
-        send_all(sock, pack_challenge(self.token, worker_nonce, trainer_nonce, self.digest))
-        proof = recv_exact(sock, PROOF_SIZE)
-        with self._lock:
-            if not proof_is_valid(self.token, worker_nonce, trainer_nonce, self.digest, proof):
-                status = HandshakeStatus.BAD_PROOF
-            elif worker_digest != self.digest:
-                status = HandshakeStatus.PLAN_MISMATCH
-            elif len(self._peers) >= self.max_peers:
-                status = HandshakeStatus.FULL
-            elif self._pending.pop(sock, None) is None:
-                return False  # evicted meanwhile
-            else:
-                status = HandshakeStatus.OK
-                self._peers.add(sock)
-        send_all(sock, pack_result(status))
+        writer.write(pack_challenge(self.token, worker_nonce, trainer_nonce, self.digest))
+        await writer.drain()
+        proof = await reader.readexactly(PROOF_SIZE)
+        if not proof_is_valid(self.token, worker_nonce, trainer_nonce, self.digest, proof):
+            status = HandshakeStatus.BAD_PROOF
+        elif worker_digest != self.digest:
+            status = HandshakeStatus.PLAN_MISMATCH
+        elif len(self._peers) >= self.max_peers:
+            status = HandshakeStatus.FULL
+        elif writer not in self._pending:
+            return False  # evicted meanwhile
+        else:
+            status = HandshakeStatus.OK
+            del self._pending[writer]
+            self._peers.add(writer)
+        writer.write(pack_result(status))
+        await writer.drain()
         if status != HandshakeStatus.OK:
             logger.warning("asyncwt: store refused %s: %s", address, status.name)
             return False
         return True
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [*self._pending, *self._peers]
-        _shut(self.listener)
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
         self.listener.close()
-        for sock in socks:
-            _shut(sock)
-        with self.keys.changed:
-            self.keys.closed = True  # every wait ends now
-            self.keys.changed.notify_all()
+        for writer in [*self._pending, *self._peers]:
+            writer.transport.abort()
+        self.keys.close()
 
 
 def _shut(sock: socket.socket) -> None:

@@ -349,6 +349,7 @@ class TorchDistSender(LinkedSender):
             max_pending=info.max_pending_handshakes,
             max_peers=info.num_workers,
         )
+        await self.store_server.start()
         self.store = self.store_server.local_store()
         self.group_key = secrets.token_hex(16)
         fields = {

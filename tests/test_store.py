@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import secrets
 import socket
+import threading
 from typing import Any
 
 import _models
@@ -76,30 +77,41 @@ def _server(token: str, digest: bytes) -> StoreServer:
     )
 
 
-def test_the_store_refuses_a_wrong_proof_and_serves_one_that_knows_the_token() -> None:
+@uvloop_only
+async def test_the_store_refuses_a_wrong_proof_and_serves_one_that_knows_the_token() -> None:
     token = secrets.token_hex(32)
     plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
     digest = store_digest(plan.digest)
     server = _server(token, digest)
+    await server.start()
     try:
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-            sock.sendall(pack_hello(secrets.token_bytes(32), digest))
-            challenge = sock.recv(CHALLENGE_SIZE, socket.MSG_WAITALL)
-            assert len(challenge) == CHALLENGE_SIZE
-            sock.sendall(pack_proof("not the token" * 4, bytes(32), bytes(32), digest))
-            with pytest.raises(
-                AuthenticationError, match=r"^the trainer refused this worker's token proof$"
-            ):
-                check_result(sock.recv(RESULT_SIZE, socket.MSG_WAITALL))
-        with pytest.raises(AuthenticationError):
-            StoreClient("127.0.0.1", server.port, token="x" * 64, digest=digest, timeout=5)
-        client = StoreClient("127.0.0.1", server.port, token=token, digest=digest, timeout=5)
-        try:
-            server.local_store().set("rank_0", b"address")
-            assert client.get("rank_0") == b"address"
-            assert client.add("worker_rank", 1) == 1
-            assert server.local_store().add("worker_rank", 1) == 2
-        finally:
-            client.close()
+        await anyio.to_thread.run_sync(_talk_to, server, token, digest)
     finally:
         server.close()
+
+
+def _talk_to(server: StoreServer, token: str, digest: bytes) -> None:
+    """A wrong proof is refused; the right token gets the keys, also those set later."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(pack_hello(secrets.token_bytes(32), digest))
+        challenge = sock.recv(CHALLENGE_SIZE, socket.MSG_WAITALL)
+        assert len(challenge) == CHALLENGE_SIZE
+        sock.sendall(pack_proof("not the token" * 4, bytes(32), bytes(32), digest))
+        with pytest.raises(
+            AuthenticationError, match=r"^the trainer refused this worker's token proof$"
+        ):
+            check_result(sock.recv(RESULT_SIZE, socket.MSG_WAITALL))
+    with pytest.raises(AuthenticationError):
+        StoreClient("127.0.0.1", server.port, token="x" * 64, digest=digest, timeout=5)
+    client = StoreClient("127.0.0.1", server.port, token=token, digest=digest, timeout=5)
+    try:
+        server.local_store().set("rank_0", b"address")
+        assert client.get("rank_0") == b"address"
+        assert client.add("worker_rank", 1) == 1
+        assert server.local_store().add("worker_rank", 1) == 2
+        later = threading.Timer(0.3, server.local_store().set, ("late", b"there"))
+        later.start()
+        assert client.get("late") == b"there"  # waited for, on the server's loop
+        later.join()
+    finally:
+        client.close()
