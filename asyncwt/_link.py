@@ -181,9 +181,8 @@ class TrainerLinks:
                     sock.close()
                     raise
                 scope = anyio.CancelScope()
-                tg.start_soon(
-                    self._handshake, sock, f"{address[0]}:{address[1]}", peers, slots, scope, waiting
-                )
+                where = f"{address[0]}:{address[1]}"
+                tg.start_soon(self._handshake, sock, where, peers, slots, scope, waiting)
 
     async def _handshake(
         self,

@@ -350,7 +350,10 @@ class ShmReceiver(RingReceiver):
             return []  # every bucket comes from the trainer's memory
         if self.ring_socket:
             self.maps = _memfd.receive_ring(
-                self.ring_socket, self.info.num_buffers, self.plan.bucket_bytes, self.info.connect_timeout
+                self.ring_socket,
+                self.info.num_buffers,
+                self.plan.bucket_bytes,
+                self.info.connect_timeout,
             )
             return [_view(m, self.plan.bucket_bytes) for m in self.maps]
         buffers = []
