@@ -422,6 +422,7 @@ class StoreClient(Store):
     def __init__(self, host: str, port: int, *, token: str, digest: bytes, timeout: float) -> None:
         super().__init__()
         self._lock = threading.Lock()
+        self._closed = False
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -447,6 +448,10 @@ class StoreClient(Store):
             ) from exc
 
     def _call(self, op: _Op, *args: bytes) -> list[bytes]:
+        if self._closed:
+            if op == _Op.CHECK:
+                return [b"0"]  # a probe of a flag (a watchdog's): not set
+            raise RuntimeError("torch_dist store: closed once the group formed")
         with self._lock:
             send_all(self._sock, _pack(op, args))
             status, answer = _read(self._sock, MAX_VALUE_BYTES)
@@ -482,5 +487,6 @@ class StoreClient(Store):
         return int(self._call(_Op.NUM_KEYS)[0])
 
     def close(self) -> None:
+        self._closed = True
         _shut(self._sock)
         self._sock.close()

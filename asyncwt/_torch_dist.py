@@ -595,6 +595,11 @@ class TorchDistReceiver(ReceiverTransport):
         try:
             with link.guard(round_id):
                 yield from self._receive(link, round_id, target)
+            if self.store_client is not None:
+                # A round went through: every rank formed the group and used it, so
+                # the rendezvous is over; leave the store (its connection on rank 0
+                # ends with it).
+                self.store_client.close()
         except TransferAbortedError:
             raise  # at a frame boundary: the group stays in step
         except BaseException:
