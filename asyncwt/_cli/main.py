@@ -18,6 +18,7 @@ import torch
 from .._core.concurrency import unwrap_group
 from .._worker.base import WeightTransferConfig
 from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
+from .._worker.server_limits import ServerLimits
 
 if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
     from exceptiongroup import BaseExceptionGroup
@@ -112,6 +113,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             "weights intact (costs one extra copy of the weights)"
         ),
     )
+    defaults = ServerLimits()
+    worker.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout,
+        metavar="S",
+        help="seconds a new connection has to send its request's headers (default %(default)s)",
+    )
+    worker.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        metavar="S",
+        help="seconds to read a request's body (default %(default)s)",
+    )
+    worker.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections open at once (default: half of ulimit -n, at most 1024)",
+    )
+    worker.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        metavar="N",
+        help="largest body of init_weight_transfer_engine and update_weights (default %(default)s)",
+    )
     worker.set_defaults(run=_worker_command)
 
     demo = commands.add_parser(
@@ -171,6 +201,12 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             transform_elementwise=args.transform_elementwise,
             staged=args.staged,
         )
+        limits = ServerLimits(
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
+            max_body_bytes=args.max_body_bytes,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -188,6 +224,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             args.host,
             args.port,
             api_key,
+            limits,
             backend="asyncio",
             backend_options={"use_uvloop": _uvloop_installed()},
         )
@@ -241,6 +278,7 @@ async def _serve_until_signal(
     host: str,
     port: int,
     api_key: str | None,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then stop cleanly."""
 
@@ -258,6 +296,7 @@ async def _serve_until_signal(
                     port=port,
                     ready=ready,
                     api_key=api_key,
+                    limits=limits,
                 )
             )
             async for signum in signals:

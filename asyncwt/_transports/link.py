@@ -155,62 +155,102 @@ class TrainerLinks:
     async def _accept(self, listener: socket.socket, peers: list[Peer]) -> None:
         """Accept connections and authenticate each in its own task.
 
-        At most `max_pending_handshakes` handshakes run at once; while that many are
-        in flight the listener is not read, so further connections wait in the
-        kernel's backlog instead of costing this process a descriptor and a task each.
+        At most `max_pending_handshakes` handshakes run at once. When that many are in
+        flight and one more connection comes, the handshake that has waited longest
+        on its peer (for the worker's HELLO or PROOF, which a real worker sends at
+        once) is dropped to make room: a flood of idle or stalled connections only
+        evicts its own, and a worker whose bytes are there is never kept waiting
+        behind them. While every handshake is busy on this side, the listener is not
+        read, so further connections wait in the kernel's backlog instead of costing
+        this process a descriptor and a task each.
         """
         loop = asyncio.get_running_loop()
         slots = anyio.Semaphore(self.settings.max_pending_handshakes)
+        waiting: dict[anyio.CancelScope, None] = {}
+        """Handshakes waiting on their peer, the longest-waiting first."""
         async with anyio.create_task_group() as tg:
             while True:
-                await slots.acquire()
+                sock, address = await loop.sock_accept(listener)
                 try:
-                    sock, address = await loop.sock_accept(listener)
+                    if slots.value == 0 and waiting:
+                        victim = next(iter(waiting))
+                        del waiting[victim]
+                        victim.cancel()  # its task releases its slot and closes its socket
+                    await slots.acquire()
                 except BaseException:
-                    slots.release()
+                    sock.close()
                     raise
-                tg.start_soon(self._handshake, sock, f"{address[0]}:{address[1]}", peers, slots)
+                scope = anyio.CancelScope()
+                where = f"{address[0]}:{address[1]}"
+                tg.start_soon(self._handshake, sock, where, peers, slots, scope, waiting)
 
     async def _handshake(
-        self, sock: socket.socket, address: str, peers: list[Peer], slots: anyio.Semaphore
+        self,
+        sock: socket.socket,
+        address: str,
+        peers: list[Peer],
+        slots: anyio.Semaphore,
+        scope: anyio.CancelScope | None = None,
+        waiting: dict[anyio.CancelScope, None] | None = None,
     ) -> None:
         """Authenticate one worker; a failure refuses it without stopping init.
 
-        Bounded by `handshake_timeout`; every outcome other than admission closes the
-        connection. Never raises: a misbehaving peer must not end the rendezvous.
+        Bounded by `handshake_timeout`, and cancelled through `scope` when a newer
+        connection needs its slot while it waits on its peer; every outcome other
+        than admission closes the connection. Never raises: a misbehaving peer must
+        not end the rendezvous.
         """
         loop = asyncio.get_running_loop()
         s = self.settings
         digest = bytes.fromhex(self.plan.digest)
         registered = answered = False
+        scope = anyio.CancelScope() if scope is None else scope
+        waiting = {} if waiting is None else waiting
+
+        async def from_peer(nbytes: int) -> bytes:
+            waiting[scope] = None  # the newest to be evicted
+            try:
+                return await async_recv_exact(sock, nbytes)
+            finally:
+                waiting.pop(scope, None)
+
         try:
-            sock.setblocking(False)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with anyio.fail_after(min(s.handshake_timeout, s.connect_timeout)):
-                worker_nonce, worker_digest = unpack_hello(await async_recv_exact(sock, HELLO_SIZE))
-                trainer_nonce = secrets.token_bytes(32)
-                challenge = pack_challenge(s.token, worker_nonce, trainer_nonce, digest)
-                await loop.sock_sendall(sock, challenge)
-                proof = await async_recv_exact(sock, PROOF_SIZE)
-                if not proof_is_valid(s.token, worker_nonce, trainer_nonce, digest, proof):
-                    status = HandshakeStatus.BAD_PROOF
-                elif worker_digest != digest:
-                    status = HandshakeStatus.PLAN_MISMATCH
-                elif len(peers) >= s.max_workers:
-                    status = HandshakeStatus.FULL
-                else:
-                    status = HandshakeStatus.OK
-                    peer = Peer(sock, address)
-                    peers.append(peer)  # before the await: concurrent handshakes count it
-                    registered = True
-                await loop.sock_sendall(sock, pack_result(status))
-                if status != HandshakeStatus.OK:
-                    logger.warning("asyncwt: refused worker %s: %s", address, status.name)
-                answered = True
+            with scope:
+                sock.setblocking(False)
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with anyio.fail_after(min(s.handshake_timeout, s.connect_timeout)):
+                    worker_nonce, worker_digest = unpack_hello(await from_peer(HELLO_SIZE))
+                    trainer_nonce = secrets.token_bytes(32)
+                    challenge = pack_challenge(s.token, worker_nonce, trainer_nonce, digest)
+                    await loop.sock_sendall(sock, challenge)
+                    proof = await from_peer(PROOF_SIZE)
+                    if not proof_is_valid(s.token, worker_nonce, trainer_nonce, digest, proof):
+                        status = HandshakeStatus.BAD_PROOF
+                    elif worker_digest != digest:
+                        status = HandshakeStatus.PLAN_MISMATCH
+                    elif len(peers) >= s.max_workers:
+                        status = HandshakeStatus.FULL
+                    else:
+                        status = HandshakeStatus.OK
+                        peer = Peer(sock, address)
+                        peers.append(peer)  # before the await: concurrent handshakes count it
+                        registered = True
+                    await loop.sock_sendall(sock, pack_result(status))
+                    if status != HandshakeStatus.OK:
+                        logger.warning("asyncwt: refused worker %s: %s", address, status.name)
+                    answered = True
+            if scope.cancelled_caught:
+                logger.warning(
+                    "asyncwt: dropped the handshake with %s: it waited longest on its peer "
+                    "while max_pending_handshakes=%d were in flight",
+                    address,
+                    s.max_pending_handshakes,
+                )
         except (TimeoutError, OSError, AsyncwtError) as exc:
             logger.warning("asyncwt: handshake with %s failed: %r", address, exc)
         finally:
+            waiting.pop(scope, None)
             slots.release()
             if registered and not answered:  # failed or cancelled before the worker knew
                 peers.remove(peer)

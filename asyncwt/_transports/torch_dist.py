@@ -55,6 +55,7 @@ from .._worker.engine import DeferredWorkerEngine, ReceivePool
 from .base import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
 from .link import LinkedSender, WorkerLink, connect_link
 from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from .torch_dist_store import StoreClient, StoreServer, store_digest
 from .wire import Frame, FrameKind
 
 __all__ = [
@@ -319,7 +320,8 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     num_workers: int = 1
     """Workers that will join: a collective group has a fixed size."""
     store_port: int = 0
-    """Port of the group's TCPStore; 0 picks a free one."""
+    """Port of the group's rendezvous store (which admits only workers that prove the
+    token); 0 picks a free one."""
     group_backend: str | None = None
     """`"gloo"` or `"nccl"`; `None` picks NCCL for a CUDA device, else gloo."""
 
@@ -389,7 +391,8 @@ class TorchDistSender(LinkedSender):
         """Where the host waits for the broadcasts under NCCL (`_wait_all`)."""
         self.in_flight_buckets = IN_FLIGHT_BUCKETS
         self.group: dist.ProcessGroup | None = None
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
+        self.store_server: StoreServer | None = None
         self.group_key = ""
         self._staging: list[torch.Tensor | None] = [None] * info.num_buffers
 
@@ -412,19 +415,24 @@ class TorchDistSender(LinkedSender):
         collective rendezvous that cannot complete.
         """
         info = self.info
-        timeout = datetime.timedelta(seconds=info.connect_timeout)
-        self.store = dist.TCPStore(
+        # The store admits only workers that prove the token (see `_store`): a
+        # TCPStore would list its keys, and take writes, from anyone who reaches it.
+        self.store_server = StoreServer(
             info.host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=_store_listener(info.host, info.store_port),
+            info.store_port,
+            token=info.token,
+            digest=store_digest(self.plan.digest),
+            timeout=info.connect_timeout,
+            handshake_timeout=min(info.handshake_timeout, info.connect_timeout),
+            max_pending=info.max_pending_handshakes,
+            max_peers=info.num_workers,
         )
+        await self.store_server.start()
+        self.store = self.store_server.local_store()
         self.group_key = secrets.token_hex(16)
         fields = {
             **worker_fields,
-            "store_port": self.store.port,
+            "store_port": self.store_server.port,
             "group_key": self.group_key,
             "world_size": info.num_workers + 1,
             "group_backend": self.group_backend,
@@ -534,6 +542,9 @@ class TorchDistSender(LinkedSender):
         super().close()
         self._leave_group()
         self.store = None
+        if self.store_server is not None:
+            self.store_server.close()
+            self.store_server = None
         if self._side is not None and any(b is not None for b in self._staging):
             # A cancelled round may have left kernels that read the device staging
             # queued: free it only once the device is past them.
@@ -603,6 +614,7 @@ class TorchDistReceiver(ReceiverTransport):
         self.device = device
         self.link: WorkerLink | None = None
         self.store: dist.Store | None = None
+        self.store_client: StoreClient | None = None
         self.rank = 0
         self.group: dist.ProcessGroup | None = None
         self._side = _side_stream(device) if info.group_backend == "nccl" else None
@@ -621,9 +633,14 @@ class TorchDistReceiver(ReceiverTransport):
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, slots=info.num_buffers)
         try:
-            timeout = datetime.timedelta(seconds=info.connect_timeout)
-            store = dist.TCPStore(info.host, info.store_port, is_master=False, timeout=timeout)
-            self.store = dist.PrefixStore(f"asyncwt/{info.group_key}/", store)
+            self.store_client = StoreClient(
+                info.host,
+                info.store_port,
+                token=info.token,
+                digest=store_digest(self.plan.digest),
+                timeout=info.connect_timeout,
+            )
+            self.store = dist.PrefixStore(f"asyncwt/{info.group_key}/", self.store_client)
             self.rank = int(self.store.add("worker_rank", 1))
             if self.rank >= info.world_size:
                 raise TransferError(
@@ -660,6 +677,11 @@ class TorchDistReceiver(ReceiverTransport):
         try:
             with link.guard(round_id):
                 yield from self._receive(link, round_id, target)
+            if self.store_client is not None:
+                # A round went through: every rank formed the group and used it, so
+                # the rendezvous is over; leave the store (its connection on rank 0
+                # ends with it).
+                self.store_client.close()
         except TransferAbortedError:
             raise  # at a frame boundary: the group stays in step
         except BaseException:
@@ -773,6 +795,9 @@ class TorchDistReceiver(ReceiverTransport):
     def _leave_group(self) -> None:
         group, self.group = self.group, None
         _release_group(group)
+        client, self.store_client = self.store_client, None
+        if client is not None:  # the group is gone: so is the need for the store
+            client.close()
 
     def close(self) -> None:
         if self.link is not None:

@@ -144,7 +144,14 @@ class RoundDriver:
     async def update(self, update_info: dict[str, Any]) -> None:
         """Receive one update of the open round (see `RoundState.begin_update`)."""
         engine = self.ready_engine("update_weights")
-        parsed = await self._parse(functools.partial(engine.parse_update_info, update_info))
+        # Parsed here, not in a thread: an update info is a few fields, and with no
+        # checkpoint before the engine's thread starts, a client driving several
+        # engines at once (LocalClient) has them all receiving before one failure
+        # cancels the rest.
+        try:
+            parsed = engine.parse_update_info(update_info)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInfoError(str(exc)) from exc
         ticket = self.state.begin_update(
             round_id=_optional_int(parsed, "round_id"),
             trainer_id=_optional_str(parsed, "trainer_id"),

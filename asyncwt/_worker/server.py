@@ -24,8 +24,10 @@ JSON object, has unknown keys or values of the wrong type, or the engine rejecte
 info (`ValueError`/`TypeError` from `parse_*_info`). 409: the call needs an
 initialised transfer engine (init it first), or the round state refuses it
 (`RoundConflictError`: out of order, for another round, from another trainer), or
-the engine does (`PlanMismatchError`, `StaleRoundError`). 413: the body is larger than
-`max_body_bytes`. 500: the engine failed (`"<ExceptionType>: message"`; the traceback
+the engine does (`PlanMismatchError`, `StaleRoundError`). 408: the body did not
+arrive within `body_timeout`. 413: the body is larger than its route's limit
+(`max_body_bytes` or `control_body_bytes`) or holds more than `max_json_items` JSON
+values (`ServerLimits`). 500: the engine failed (`"<ExceptionType>: message"`; the traceback
 goes to the server log). An unknown route or method is a JSON 404 or 405.
 
 `weight_version` is the version of the last round that completed (a failed round
@@ -37,10 +39,10 @@ model).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hmac
 import ipaddress
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -57,8 +59,28 @@ from .._core.settings import MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
 from .._registry import create_worker_engine
 from .base import WeightTransferConfig, WeightTransferEngine
 from .round_driver import InvalidInfoError, RoundDriver
+from .server_limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    EMPTY,
+    BodyError,
+    GuardedSite,
+    ServerLimits,
+    install,
+    read_json_body,
+    return_memory,
+    track_requests,
+)
 
-__all__ = ["API_KEY_ENV", "build_app", "check_api_key", "format_url", "is_loopback", "serve"]
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_MAX_BODY_BYTES",
+    "ServerLimits",
+    "build_app",
+    "check_api_key",
+    "format_url",
+    "is_loopback",
+    "serve",
+]
 
 logger = logging.getLogger("asyncwt.server")
 
@@ -82,24 +104,16 @@ async def _in_thread(fn: Callable[[], T]) -> T:
 
 
 async def _read_body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]:
-    """The request's JSON object body (an empty body is `{}`), with only `allowed` keys."""
+    """The request's JSON object body (an empty body is `{}`), with only `allowed` keys.
+
+    Read and parsed within the app's `ServerLimits` (size per route, time, JSON values).
+    """
     try:
-        raw = await request.read()
-    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
-        reason = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
-        raise _ApiError(400, f"request body could not be read: {reason}") from None
-    except ConnectionError:  # the client left mid-body: its doing, not the server's
-        raise _ApiError(400, "request body was cut short: the connection closed") from None
-    if not raw.strip():
+        body = await read_json_body(request)
+    except BodyError as exc:
+        raise _ApiError(exc.status, exc.message) from None
+    if body is EMPTY:
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise _ApiError(400, f"request body should be a JSON object: {exc}") from None
-    except RecursionError:
-        raise _ApiError(
-            400, "request body should be a JSON object: it is nested too deeply"
-        ) from None
     if not isinstance(body, dict):
         raise _ApiError(400, f"request body should be a JSON object, got a JSON {_json_kind(body)}")
     unknown = sorted(set(body) - allowed)
@@ -253,11 +267,6 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
 
 
-DEFAULT_MAX_BODY_BYTES = 64 << 20
-"""Largest request body the worker server reads. The init info carries the trainer's
-plan (a name, dtype and shape per parameter): a few MiB for the largest models."""
-
-
 API_KEY_ENV = "ASYNCWT_API_KEY"
 """The environment variable `asyncwt worker` reads its API key from (as `--api-key`)."""
 
@@ -328,7 +337,8 @@ def build_app(
     *,
     config: WeightTransferConfig,
     device: torch.device | str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
+    limits: ServerLimits | None = None,
     api_key: str | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model` through the engine `config` names.
@@ -339,20 +349,31 @@ def build_app(
     On app shutdown the engine is shut down first, which lets a round still receiving
     fail out instead of holding the server open.
 
-    A request body larger than `max_body_bytes` is refused with a JSON 413 before it
-    is parsed. With an `api_key`, every request (`GET /weights_status` too) must
-    carry `Authorization: Bearer <api_key>`, else it is answered 401.
+    Requests are bounded by `limits` (see `ServerLimits`): a body larger than its
+    route's limit (`max_body_bytes`, which the argument of that name overrides, or
+    `control_body_bytes`) or holding more than `max_json_items` JSON values is
+    refused with a JSON 413 before it is parsed; one slower than `body_timeout` is a
+    408. The connection limits apply where the app is served by `serve`. With an
+    `api_key`, every request (`GET /weights_status` too) must carry
+    `Authorization: Bearer <api_key>`, else it is answered 401.
     """
     key = check_api_key(api_key, "127.0.0.1")
+    limits = limits or ServerLimits()
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
 
     def create() -> Engine:
         return create_worker_engine(config, model=model, device=device)
 
     worker = RoundDriver(create(), create=create)
-    middlewares: list[Any] = [_json_errors]
+    middlewares: list[Any] = [track_requests, return_memory, _json_errors]
     if key is not None:
         middlewares.append(_auth_middleware(key))
-    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=max(limits.max_body_bytes, limits.control_body_bytes),
+    )
+    install(app, limits)
     app.add_routes(_routes(worker, model, config))
 
     async def on_shutdown(app: web.Application) -> None:
@@ -376,6 +397,7 @@ async def serve(
     device: torch.device | str | None = None,
     ready: Callable[[str, int], object] | None = None,
     shutdown_timeout: float = 5.0,
+    limits: ServerLimits | None = None,
     api_key: str | None = None,
 ) -> None:
     """Serve `model` (see `build_app`) on `host:port` until cancelled.
@@ -386,15 +408,25 @@ async def serve(
     port; `ready` is called with the bound host and port once the server accepts
     connections.
 
+    `limits` bounds every client (see `ServerLimits`): a connection that does not
+    send its request's headers within `header_timeout`, or its body within
+    `body_timeout`, is cut off, and at most `max_connections` are open at once.
+
     Cancellation: stops accepting, shuts the engine down, waits up to
     `shutdown_timeout` seconds for requests in flight, then returns by re-raising.
     """
     check_api_key(api_key, host)
-    app = build_app(model, config=config, device=device, api_key=api_key)
-    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
+    limits = limits or ServerLimits()
+    app = build_app(model, config=config, device=device, limits=limits, api_key=api_key)
+    runner = web.AppRunner(
+        app,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=limits.keepalive_timeout,
+        lingering_time=min(1.0, limits.body_timeout),  # an unread body is not waited for
+    )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(runner, host, port)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         if ready is not None:

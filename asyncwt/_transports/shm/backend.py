@@ -8,17 +8,21 @@ itself, where it takes the bytes as they are), then acknowledges the bucket. One
 copy per byte, where a ring costs two on the same cores.
 
 Every other worker, or every worker when the trainer sets `direct_reads=False`,
-uses the bucket ring (see `_ring`) in shared memory. Segments are created with
-owner-only permissions and unlinked as soon as every worker has mapped them, so
-nothing is left in `/dev/shm` even if both sides are killed; the mappings live
-until each side closes them. If one worker of a round reads from the ring, every
-bucket is packed into it (a worker that reads directly then reads the ring slot).
+uses the bucket ring (see `_ring`) in shared memory. On Linux the ring has no name
+at all (`_memfd`): anonymous memory whose descriptors the trainer hands to workers
+of its user over an abstract Unix socket during init, and which the kernel frees
+with its last holder, so nothing can be left in `/dev/shm` however both sides die
+(a SIGKILL of the trainer's whole process group included). Elsewhere the segments
+are named, owner-only, and unlinked as soon as every worker has mapped them. If
+one worker of a round reads from the ring, every bucket is packed into it (a
+worker that reads directly then reads the ring slot).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import re
 import secrets
 import struct
@@ -30,6 +34,7 @@ from typing import Any, ClassVar
 import anyio
 import torch
 
+from ..._core.concurrency import single_error
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._trainer.base import TrainerInitInfo
@@ -37,12 +42,13 @@ from ..._trainer.engine import PipelinedTrainerEngine
 from ..._trainer.pipeline import Segment
 from ..._worker.applier import ModelTarget
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import ReceivedBucket, ReceiverTransport, SenderTransport
+from ..base import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
 from ..link import Peer
 from ..sockio import recv_exact
 from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from ..wire import Frame, FrameKind
 from . import cma as _cma
+from . import memfd as _memfd
 from .ring import RingReceiver, RingSender
 
 __all__ = [
@@ -84,6 +90,10 @@ class ShmWorkerInitInfo(TcpWorkerInitInfo):
     and (when the trainer offers direct reads) its pid and read probe."""
 
     segments: list[str] = field(default_factory=list)
+    """Names of the ring's segments in `/dev/shm` (where there is no `ring_socket`)."""
+    ring_socket: str = ""
+    """Abstract Unix socket that hands out the ring's descriptors (Linux); then
+    `segments` is empty."""
     trainer_pid: int = 0
     """The trainer's pid, or 0 when it offers no direct reads."""
     probe_address: int = 0
@@ -105,17 +115,26 @@ class ShmWorkerInitInfo(TcpWorkerInitInfo):
             raise ValueError(
                 f"probe_nonce should be {2 * _cma.PROBE_BYTES} lowercase hex digits, got {nonce!r}"
             )
-        if not isinstance(self.segments, list) or len(self.segments) != self.num_buffers:
+        if self.ring_socket != "" and (
+            not isinstance(self.ring_socket, str) or not _memfd.SOCKET_NAME.match(self.ring_socket)
+        ):
             raise ValueError(
-                f"segments should list num_buffers ({self.num_buffers}) names, got {self.segments!r}"
+                f"ring_socket should be an asyncwt ring socket name, got {self.ring_socket!r}"
+            )
+        expected = 0 if self.ring_socket else self.num_buffers
+        if not isinstance(self.segments, list) or len(self.segments) != expected:
+            raise ValueError(
+                f"segments should list {expected} names (num_buffers={self.num_buffers}, "
+                f"ring_socket={self.ring_socket!r}), got {self.segments!r}"
             )
         for name in self.segments:
             if not isinstance(name, str) or not _SEGMENT_NAME.match(name):
                 raise ValueError(f"segments should be asyncwt segment names, got {name!r}")
 
 
-def _view(segment: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
-    return torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+def _view(segment: shared_memory.SharedMemory | mmap.mmap, nbytes: int) -> torch.Tensor:
+    buffer = segment.buf if isinstance(segment, shared_memory.SharedMemory) else segment
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
 def _attach(name: str, nbytes: int) -> shared_memory.SharedMemory:
@@ -160,24 +179,35 @@ class ShmSender(RingSender):
         nothing is packed (`min_view_bytes` 0) and the ring is unused."""
         self._readers: int | None = None
         """How many workers read directly, as last logged."""
-        prefix = f"asyncwt_{secrets.token_hex(8)}"
         self.segments: list[shared_memory.SharedMemory] = []
-        buffers = []
+        self.ring: _memfd.AnonymousRing | None = None
+        self.ring_server: _memfd.RingFdServer | None = None
         try:
-            for slot in range(info.num_buffers):
-                segment = shared_memory.SharedMemory(
-                    name=f"{prefix}_{slot}", create=True, size=plan.bucket_bytes
-                )
-                _CREATED_HERE.add(segment.name.lstrip("/"))
-                self.segments.append(segment)
-                buffers.append(_view(segment, plan.bucket_bytes))
+            if _memfd.supported():
+                self.ring = _memfd.AnonymousRing(info.num_buffers, plan.bucket_bytes)
+                self.ring_server = _memfd.RingFdServer(self.ring)
+                buffers = [_view(m, plan.bucket_bytes) for m in self.ring.maps]
+            else:
+                buffers = self._named_segments(info.num_buffers, plan.bucket_bytes)
         except BaseException:
             self.close()
             raise
         self.set_buffers(buffers)
 
+    def _named_segments(self, count: int, nbytes: int) -> list[torch.Tensor]:
+        prefix = f"asyncwt_{secrets.token_hex(8)}"
+        buffers = []
+        for slot in range(count):
+            segment = shared_memory.SharedMemory(name=f"{prefix}_{slot}", create=True, size=nbytes)
+            _CREATED_HERE.add(segment.name.lstrip("/"))
+            self.segments.append(segment)
+            buffers.append(_view(segment, nbytes))
+        return buffers
+
     def exported(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"segments": [s.name.lstrip("/") for s in self.segments]}
+        if self.ring_server is not None:
+            fields["ring_socket"] = self.ring_server.name
         if self.probe is not None:
             fields.update(
                 trainer_pid=self.probe.pid,
@@ -186,7 +216,25 @@ class ShmSender(RingSender):
             )
         return fields
 
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        """Admit the workers; meanwhile hand the ring's descriptors to those that ask."""
+        server = self.ring_server
+        if server is None:
+            await super().rendezvous(worker_fields, init_workers)
+            return
+        try:
+            with single_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(server.serve)
+                    await super().rendezvous(worker_fields, init_workers)
+                    tg.cancel_scope.cancel()
+        finally:
+            server.close()
+            self.ring_server = None
+
     def after_rendezvous(self) -> None:
+        if self.ring is not None:
+            self.ring.close_fds()  # every worker holds its own descriptors or mappings
         for segment in self.segments:  # every worker has mapped them: drop the names
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
@@ -259,6 +307,12 @@ class ShmSender(RingSender):
 
     def close(self) -> None:
         super().close()
+        if self.ring_server is not None:
+            self.ring_server.close()
+            self.ring_server = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         for segment in self.segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
@@ -274,7 +328,9 @@ class ShmReceiver(RingReceiver):
     def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan, pool: ReceivePool) -> None:
         super().__init__(info, plan)
         self.segment_names = info.segments
+        self.ring_socket = info.ring_socket
         self.segments: list[shared_memory.SharedMemory] = []
+        self.maps: list[mmap.mmap] = []
         self.pool = pool
         self.trainer_pid = info.trainer_pid
         if info.trainer_pid:
@@ -303,6 +359,14 @@ class ShmReceiver(RingReceiver):
     def map_ring(self) -> list[torch.Tensor]:
         if self.reads_directly:
             return []  # every bucket comes from the trainer's memory
+        if self.ring_socket:
+            self.maps = _memfd.receive_ring(
+                self.ring_socket,
+                self.info.num_buffers,
+                self.plan.bucket_bytes,
+                self.info.connect_timeout,
+            )
+            return [_view(m, self.plan.bucket_bytes) for m in self.maps]
         buffers = []
         for name in self.segment_names:
             segment = _attach(name, self.plan.bucket_bytes)
@@ -340,6 +404,10 @@ class ShmReceiver(RingReceiver):
             with contextlib.suppress(BufferError):
                 segment.close()
         self.segments = []
+        for mapping in self.maps:
+            with contextlib.suppress(BufferError):  # a tensor still views it: freed with it
+                mapping.close()
+        self.maps = []
 
 
 class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):

@@ -38,10 +38,12 @@ class LinkedTrainerInfo(PipelineSettings):
     max_workers: int = 64
     """Connections admitted during init; more are refused."""
     max_pending_handshakes: int = 16
-    """Connections that may be in their handshake at once during init. Past it the
-    listener stops accepting (newcomers wait in the kernel's backlog) until one
-    finishes, so a flood of idle connections cannot exhaust the trainer's file
-    descriptors or memory."""
+    """Connections that may be in their handshake at once during init. When all are
+    taken, a newcomer evicts the handshake that has waited longest on its peer (a
+    real worker answers at once), and while every handshake is busy on the
+    trainer's side the listener is not read: a flood of idle connections can
+    neither exhaust the trainer's file descriptors or memory nor keep a worker out.
+    The `torch_dist` rendezvous store admits its connections the same way."""
     handshake_timeout: float = 10.0
     """Seconds a connection has to complete its handshake (the worker's HELLO and
     PROOF) before the trainer drops it: an idle connection holds a handshake slot at
