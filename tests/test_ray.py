@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
@@ -145,6 +146,19 @@ class GatedSource(WeightSource):
             yield pair
 
 
+class WatchedClient(RayClient):
+    """Says when the trainer engine called `update_weights`: every actor started the
+    round, and the updates are in flight."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        super().__init__(actors, timeout=60)
+        self.updating = threading.Event()
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.updating.set()
+        await super().update_weights(update_info)
+
+
 @needs_ray
 @pytest.mark.asyncio
 async def test_ray_actor_killed_mid_round_fails_the_round_naming_it_and_publishes_nothing(
@@ -152,7 +166,7 @@ async def test_ray_actor_killed_mid_round_fails_the_round_naming_it_and_publishe
 ) -> None:
     ray = ray_cluster
     doomed, survivor = spawn_workers(2)
-    client = RayClient([doomed, survivor], timeout=60)
+    client = WatchedClient([doomed, survivor])
     model = _models.mixed()
     source = GatedSource(model)
     engine = await trainer_init(info(**SMALL_TIMEOUTS), client=client, source=source)
@@ -163,6 +177,7 @@ async def test_ray_actor_killed_mid_round_fails_the_round_naming_it_and_publishe
 
         perturb(model, 2)
         source.gated = True
+        client.updating.clear()
 
         # Ray tells the trainer of the death within this time; the data plane is idle
         # meanwhile, so the control plane is the one to notice.
@@ -170,6 +185,8 @@ async def test_ray_actor_killed_mid_round_fails_the_round_naming_it_and_publishe
 
         def kill_mid_round() -> None:
             wait_until(source.reached.is_set, 30, "the round to reach its second tensor")
+            wait_until(client.updating.is_set, 30, "the round's update_weights")
+            time.sleep(0.2)  # let the calls reach the actors
             ray.kill(doomed)
             reopen.start()
 
