@@ -37,7 +37,7 @@ def import_ray() -> Any:
 def describe_actor(handle: Any) -> str:
     """`ClassName actor <id>`: what an error names (Ray's own text adds the actor's name)."""
     descriptor = getattr(handle, "_ray_actor_creation_function_descriptor", None)
-    class_name = getattr(descriptor, "class_name", None) or "Ray"
+    class_name = (getattr(descriptor, "class_name", None) or "Ray").rsplit(".", 1)[-1]
     actor_id: Any = getattr(handle, "_actor_id", None)
     ident = actor_id.hex() if actor_id is not None else "?"
     return f"{class_name} actor {ident}"
