@@ -17,6 +17,7 @@ from ._control.local import LocalClient as LocalClient
 from ._control.protocol import AsyncWeightSyncClient as AsyncWeightSyncClient
 from ._control.protocol import VLLMWeightSyncClient as VLLMWeightSyncClient
 from ._control.protocol import WeightTransferUpdatePayload as WeightTransferUpdatePayload
+from ._control.ray import RayClient as RayClient
 from ._core.checksum import model_checksum as model_checksum
 from ._core.errors import ApplyError as ApplyError
 from ._core.errors import AsyncwtError as AsyncwtError
@@ -78,6 +79,7 @@ __all__ = [
     "Placement",
     "PlanMismatchError",
     "ProtocolError",
+    "RayClient",
     "Replicate",
     "RoundConflictError",
     "RoundStats",

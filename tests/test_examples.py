@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from asyncwt._cli.launch import worker_process
 
@@ -34,7 +37,13 @@ def test_every_example_starts_with_a_docstring_and_is_tested() -> None:
         assert source.startswith('"""'), (
             f"{name} should start with a docstring saying what it shows"
         )
-    tested = {"async_rl_loop.py", "plain_trainer.py", "fsdp_trainer.py", "quickstart.py"}
+    tested = {
+        "async_rl_loop.py",
+        "plain_trainer.py",
+        "fsdp_trainer.py",
+        "quickstart.py",
+        "ray_rl_loop.py",
+    }
     helpers = {"_bandit.py", "rollout_worker.py"}  # run by the examples above
     assert set(scripts) == tested | helpers, "a new example needs a test here"
 
@@ -44,6 +53,7 @@ def test_examples_use_only_public_names() -> None:
         "asyncwt._cli.launch",  # worker_process: starts `asyncwt worker`
         "asyncwt._core.checksum",  # model_checksum: what GET /weights_status reports
         "asyncwt._worker.server",  # build_app: the worker server, for extra routes
+        "asyncwt._worker.ray_actor",  # WorkerActor: the worker engine in a Ray actor
     }
     for path in EXAMPLES.glob("*.py"):
         for module in re.findall(r"^\s*from (asyncwt\.\w+) import", path.read_text(), re.MULTILINE):
@@ -124,3 +134,24 @@ def test_quickstart_pushes_three_steps() -> None:
             rf"send=[\d.]+s; worker at step-{step}",
             line,
         ), line
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None and os.environ.get("ASYNCWT_REQUIRE_RAY") != "1",
+    reason="Ray is not installed (pip install 'asyncwt[ray]'); ASYNCWT_REQUIRE_RAY=1 fails instead",
+)
+def test_ray_rl_loop_pushes_bit_exact_to_two_rollout_actors() -> None:
+    steps = 3
+    lines = run_example("ray_rl_loop.py", "--steps", str(steps))
+    assert lines[0] == "ray cluster: 1 trainer actor, 2 rollout actors"
+    for step, line in enumerate(lines[1 : steps + 1], start=1):
+        version = "initial" if step == 1 else f"step-{step - 1}"
+        assert re.fullmatch(
+            rf"step {step}: loss [\d.]+ \| rollouts of {version} \| pushed step-{step} "
+            rf"\([\d.]+ KiB in \d+ ms\) \| 2 rollout actors at step-{step}, checksums match",
+            line,
+        ), line
+    assert lines[steps + 1 :] == [
+        f"ray RL loop finished: {steps} rounds arrived bit-exact in both rollout actors"
+    ]

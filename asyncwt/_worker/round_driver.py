@@ -16,12 +16,14 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.to_thread
+import torch
 
+from .._core.checksum import model_checksum
 from .._core.errors import PlanMismatchError, RoundConflictError, StaleRoundError, TransferError
 from .base import WeightTransferEngine
 from .rounds import RoundState
 
-__all__ = ["InvalidInfoError", "RoundDriver", "finish_engine_round"]
+__all__ = ["InvalidInfoError", "RoundDriver", "finish_engine_round", "weights_status"]
 
 T = TypeVar("T")
 Engine = WeightTransferEngine[Any, Any]
@@ -226,3 +228,21 @@ class RoundDriver:
             return await _in_thread(fn)
         except (ValueError, TypeError) as exc:
             raise InvalidInfoError(str(exc)) from exc
+
+
+async def weights_status(
+    driver: RoundDriver, model: torch.nn.Module, backend: str
+) -> dict[str, Any]:
+    """What a worker reports about its weights (the server's `GET /weights_status`).
+
+    `weight_version` (the last round that completed), `weights_incomplete`, `checksum`
+    (`model_checksum`, computed in a worker thread), `backend` and `initialized`.
+    """
+    checksum = await _in_thread(functools.partial(model_checksum, model))
+    return {
+        "weight_version": driver.state.weight_version,
+        "weights_incomplete": driver.weights_incomplete,
+        "checksum": checksum,
+        "backend": backend,
+        "initialized": driver.state.initialized,
+    }

@@ -40,7 +40,6 @@ model).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hmac
 import ipaddress
 import logging
@@ -53,12 +52,11 @@ import anyio.to_thread
 import torch
 from aiohttp import web
 
-from .._core.checksum import model_checksum
 from .._core.errors import AsyncwtError, PlanMismatchError, RoundConflictError, StaleRoundError
 from .._core.settings import MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
 from .._registry import create_worker_engine
 from .base import WeightTransferConfig, WeightTransferEngine
-from .round_driver import InvalidInfoError, RoundDriver
+from .round_driver import InvalidInfoError, RoundDriver, weights_status
 from .server_limits import (
     DEFAULT_MAX_BODY_BYTES,
     EMPTY,
@@ -217,16 +215,7 @@ def _routes(
 
     @routes.get("/weights_status")
     async def status(request: web.Request) -> web.Response:
-        checksum = await _in_thread(functools.partial(model_checksum, model))
-        return web.json_response(
-            {
-                "weight_version": worker.state.weight_version,
-                "weights_incomplete": worker.weights_incomplete,
-                "checksum": checksum,
-                "backend": config.backend,
-                "initialized": worker.state.initialized,
-            }
-        )
+        return web.json_response(await weights_status(worker, model, config.backend))
 
     return routes
 
