@@ -27,7 +27,7 @@ BARS = {
     "vs_every_peer": 1.0,
     "overlap_vs_slowest": 1.15,
 }
-"""The issue's thresholds (the first is set for the 1 GiB model)."""
+"""The bars' thresholds (the first is set for the 1 GiB model)."""
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -74,7 +74,7 @@ def _bar(
 
 
 def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's bars, one line each, for every backend measured."""
+    """The bars, one line each, for every backend measured (thresholds in `BARS`)."""
     bars: list[dict[str, Any]] = []
     model = report["meta"]["model"]["bytes"]
     gib_note = (

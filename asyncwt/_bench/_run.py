@@ -85,7 +85,7 @@ PRESETS: dict[str, Preset] = {
         sweep_bucket_bytes=(256 * KiB, 1 * MiB), sweep_num_buffers=(1, 2),
     ),
 }  # fmt: skip
-"""`default` is the issue's 1 GiB model with the library's default bucket (64 MiB);
+"""`default` is the 1 GiB model with the library's default bucket (64 MiB);
 `quick` (64 MiB) is for CI-sized runs; `tiny` (8 MiB) is the test suite's smoke run."""
 
 
@@ -128,8 +128,7 @@ class BenchSettings:
     """torch intra-op threads in every process (this one and each child); 0 keeps
     torch's default. On a small machine two processes each running an OpenMP pool
     oversubscribe the cores and OpenMP's spin-waiting stalls the other process's
-    socket I/O (measured here: 8 MiB packed-sequential 100x slower), so by default
-    every approach runs with one."""
+    socket I/O, so by default every approach runs with one."""
 
     def child_env(self) -> dict[str, str]:
         """Environment added to every child process."""
@@ -554,8 +553,8 @@ def _calibrated_gather(
     model: torch.nn.Module, target_s: float, rounds: Rounds, nbytes: int
 ) -> tuple[float, dict[str, Any]]:
     """The per-tensor sleep that makes a gather pass take about `target_s`, and that
-    pass measured alone. A sleep overshoots (by about a millisecond here): the
-    first measurement corrects the delay once."""
+    pass measured alone. A sleep overshoots: the first measurement
+    corrects the delay once."""
     count = sum(1 for _ in model.parameters())
     delay = target_s / count
     first = _gather_alone(model, delay, rounds, nbytes)
