@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run asyncwt's benchmark: `python benchmarks/bench.py [--quick] [--out DIR]`.
 
-A thin wrapper around `python -m asyncwt._bench` (future `asyncwt bench`); see
+A thin wrapper around `asyncwt bench` (also `python -m asyncwt._bench`); see
 `--help` for every option.
 """
 

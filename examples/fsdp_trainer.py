@@ -35,9 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from asyncwt import HttpClient, ModuleSource, TcpTrainerInitInfo, trainer_init
-from asyncwt._cli.launch import worker_process  # starts `asyncwt worker`; not public yet
-from asyncwt._core.checksum import model_checksum  # what /weights_status reports; not public yet
+from asyncwt import HttpClient, ModuleSource, TcpTrainerInitInfo, model_checksum, trainer_init
+from asyncwt._cli.launch import worker_process  # starts `asyncwt worker` (a private helper)
 
 WORLD_SIZE = 2
 HERE = Path(__file__).resolve().parent

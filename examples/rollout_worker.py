@@ -41,7 +41,7 @@ from _bandit import make_policy, sample_actions, weights_digest  # examples/, be
 from aiohttp import web
 
 from asyncwt import WeightTransferConfig
-from asyncwt._worker.server import build_app  # the worker server's app: not public (yet)
+from asyncwt._worker.server import build_app  # the worker server's app (a private helper)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATE_TIMEOUT_S = 60.0

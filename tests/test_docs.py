@@ -108,6 +108,48 @@ def test_paths_named_in_the_docs_exist() -> None:
     assert not missing, f"the docs name files that do not exist: {missing}"
 
 
+def _code_map() -> dict[str, str]:
+    """The tree in architecture.md's "Where the code lives": path -> what it holds.
+
+    Rooms (packages) end in `/`; two spaces of indent per level.
+    """
+    page = (DOCS / "architecture.md").read_text()
+    section = page.split("## Where the code lives", 1)[1]
+    tree = re.search(r"^```text\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert tree, "architecture.md's 'Where the code lives' should hold the tree in a text block"
+    entries: dict[str, str] = {}
+    parents: list[str] = []
+    for line in tree.group(1).splitlines():
+        match = re.fullmatch(r"( *)(\S+/|\S+\.py) {2,}(\S.*)", line)
+        assert match, f"a map line should be NAME then what it holds: {line!r}"
+        indent, name, what = match.groups()
+        depth = len(indent) // 2
+        del parents[depth:]
+        assert len(parents) == depth, f"a map line is indented past its room: {line!r}"
+        path = "".join(parents) + name
+        entries[path] = what
+        if name.endswith("/"):
+            parents.append(name)
+    return entries
+
+
+def test_architecture_maps_every_module() -> None:
+    entries = _code_map()
+    package = ROOT / "asyncwt"
+    wanted = set()
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if path.name == "__init__.py":
+            wanted.add(f"{rel.parent.as_posix()}/")  # a package is a room line
+        else:
+            wanted.add(rel.as_posix())  # every other module, __main__.py included
+    missing = sorted(wanted - set(entries))
+    assert not missing, (
+        f"docs/architecture.md's 'Where the code lives' should map every module; "
+        f"add a line for each of {missing}"
+    )
+
+
 def _python_blocks() -> list[tuple[str, str]]:
     blocks = []
     for page in PAGES:

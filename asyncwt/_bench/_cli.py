@@ -12,8 +12,12 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ._util import Rounds
+
+if TYPE_CHECKING:
+    from ._run import BenchSettings
 
 __all__ = ["build_parser", "main"]
 
@@ -62,6 +66,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options of `asyncwt bench`, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(
         prog="asyncwt bench",
         description=(
@@ -71,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
             "writes DIR/bench.json (every figure) and DIR/bench.png (with matplotlib)."
         ),
     )
+    _add_model_options(parser)
+    _add_rounds_options(parser)
+    _add_overlap_options(parser)
+    _add_sweep_options(parser)
+    _add_scope_options(parser)
+    return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model's size (a preset or MiB) and asyncwt's buckets."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
         "--quick",
@@ -102,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-buffers", type=int, metavar="N", help="asyncwt buffers per side (default 2)"
     )
+
+
+def _add_rounds_options(parser: argparse.ArgumentParser) -> None:
+    """How many rounds make a figure, and where the figures go."""
     parser.add_argument(
         "--rounds",
         type=int,
@@ -123,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="output folder for bench.json, bench.png and logs/ (default %(default)s)",
     )
+
+
+def _add_overlap_options(parser: argparse.ArgumentParser) -> None:
+    """The overlap test's slow stages and the worker's apply threads."""
     parser.add_argument(
         "--apply-threads",
         type=int,
@@ -161,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap test: give the worker transform whole tensors (a chunked one after its "
         "last chunk) instead of declaring it elementwise",
     )
+
+
+def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
+    """The bucket/buffer sweep's grid."""
     parser.add_argument(
         "--sweep-bucket-mib",
         type=_mib_list,
@@ -173,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A,B,...",
         help="sweep buffer counts (default 1,2,4)",
     )
+
+
+def _add_scope_options(parser: argparse.ArgumentParser) -> None:
+    """What runs (backends, threads, the cluster bench, a saved report) and what counts."""
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -206,7 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit with status 3 when a bar FAILs (default: report only)",
     )
-    return parser
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -228,23 +258,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    from ._report import add_ratios, evaluate_bars, format_table, write_chart, write_json
-    from ._run import BenchSettings, run_bench
-
     if args.from_json is not None:
-        try:
-            saved = json.loads(args.from_json.read_text())
-        except (OSError, ValueError) as exc:
-            parser.error(f"--from-json {args.from_json}: {exc}")
-        if args.no_chart:
-            note = "chart skipped: --no-chart"
-        else:
-            note = write_chart(saved, args.out)[1]
-        print(format_table(saved))
-        print(note, flush=True)
-        failed = any(bar["status"] == "FAIL" for bar in saved["bars"])
-        return 3 if args.strict and failed else 0
+        return _replay(args, parser)
+    settings = _settings(args, parser)
+    report = _measure(settings)
+    if isinstance(report, int):
+        return report
+    return _conclude(report, settings, args)
+
+
+def _replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`--from-json`: print a saved report's table and draw its chart; measure nothing."""
+    from ._report import format_table, write_chart
+
+    try:
+        saved = json.loads(args.from_json.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--from-json {args.from_json}: {exc}")
+    if args.no_chart:
+        note = "chart skipped: --no-chart"
+    else:
+        note = write_chart(saved, args.out)[1]
+    print(format_table(saved))
+    print(note, flush=True)
+    failed = any(bar["status"] == "FAIL" for bar in saved["bars"])
+    return 3 if args.strict and failed else 0
+
+
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchSettings:
+    """The run's settings from the options; a usage error (exit 2) for a bad one."""
+    from ._engines import available_backends
+    from ._run import BenchSettings
 
     try:
         rounds = Rounds(rounds=args.rounds, warmup=args.warmup)
@@ -278,13 +322,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_threads=args.torch_threads,
         backends=args.backends or (("tcp",) if args.preset != "default" else None),
     )
-    from ._engines import available_backends
-    from ._procs import BenchChildError
-
     try:
         available_backends(settings.backends)
     except ValueError as exc:
         parser.error(f"--backends: {exc}")
+    return settings
+
+
+def _measure(settings: BenchSettings) -> dict[str, Any] | int:
+    """Run every section, logging progress; the report, or the exit status of a failure.
+
+    SIGTERM unwinds like Ctrl-C meanwhile, and `kill -USR1 PID` dumps the stacks.
+    """
+    from ._procs import BenchChildError
+    from ._run import run_bench
+
     started = time.perf_counter()
 
     def log(message: str) -> None:
@@ -293,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps the stacks of a stuck run
     try:
-        report = run_bench(settings, log=log)
+        return run_bench(settings, log=log)
     except BenchChildError as exc:
         print(f"asyncwt bench: error: {exc}", file=sys.stderr)
         return 1
@@ -305,6 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _conclude(report: dict[str, Any], settings: BenchSettings, args: argparse.Namespace) -> int:
+    """Ratios, bars, chart and JSON; print the table; the exit status (3: a bar FAILs)."""
+    from ._report import add_ratios, evaluate_bars, format_table, write_chart, write_json
+
     add_ratios(report)
     report["bars"] = evaluate_bars(report)
     if args.no_chart:

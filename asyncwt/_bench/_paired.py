@@ -1,8 +1,7 @@
 """Baselines measured next to every asyncwt round, for ratios that drift cancels out of.
 
 On a small shared machine the loopback's speed changes by tens of percent within
-seconds (here one raw loopback figure's rounds took 0.23 to 0.65 s within a
-minute), so a ratio between two figures measured minutes apart says as much about
+seconds, so a ratio between two figures measured minutes apart says as much about
 the machine's phase as about the approaches. `PairedBaselines` keeps a raw loopback
 sender (and a naive peer worker) connected while asyncwt's headline runs; the
 trainer process waits at a gate before each of its rounds (`TrainerJob.gated`)
@@ -39,13 +38,10 @@ class PairedBaselines:
     of baseline rounds; the last round of each block counts. A round that follows an
     approach other than its own may inherit that approach's aftermath: a naive round
     churns a GiB of fresh allocations on both of its processes, and the round after
-    it ran slower (measured here: asyncwt 0.35 to 0.77 s right after a naive round,
-    0.26 to 0.38 s right after a raw one). Blocks make every counted round follow a
-    round of its own kind, the steady state each approach has when run alone, while
-    the two stay seconds apart. The aftermath outlasts a round, though: in blocks
-    alone, asyncwt's counted rounds after a naive block still took 0.35 to 0.57 s
-    against 0.25 to 0.36 s beside raw loopback in the same minute, so the asyncwt
-    block starts `SETTLE_S` after the baseline block ends. Each baseline pairs with
+    it runs slower. Blocks make every counted round follow a round of its own kind,
+    the steady state each approach has when run alone, while the two stay seconds
+    apart. The aftermath outlasts a round, though, so the asyncwt block starts
+    `SETTLE_S` after the baseline block ends. Each baseline pairs with
     a job of its own (`RAW_JOB`, `NAIVE_JOB`).
 
     Use: enter; run the jobs of `jobs` with `job_rounds` timed rounds each (after
@@ -55,9 +51,8 @@ class PairedBaselines:
 
     BLOCK = 2
     SETTLE_S = 2.0
-    """Seconds between a baseline block's end and the asyncwt block's start: after
-    a naive round, raw loopback rounds here took up to 0.87 s for about 1.7 s, then
-    0.26 to 0.45 s again."""
+    """Seconds between a baseline block's end and the asyncwt block's start: longer
+    than a naive round's aftermath lasts."""
     RAW_JOB = "direct"
     NAIVE_JOB = "direct, beside naive"
 

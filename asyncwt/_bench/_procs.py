@@ -11,18 +11,18 @@ import contextlib
 import json
 import os
 import re
-import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from typing_extensions import Self
+
+from .._cli.launch import WorkerStartError, spawn_worker, stop_worker, wait_for_url
 
 __all__ = [
     "READY",
@@ -30,8 +30,10 @@ __all__ = [
     "Child",
     "accept_from",
     "connect_child",
+    "spawn_bench_worker",
     "start_asyncwt_worker",
     "start_child",
+    "worker_url",
 ]
 
 READY = b"R"
@@ -85,16 +87,9 @@ class Child:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it lingers. Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stdin):
-            if stream is not None:
-                stream.close()
+        stop_worker(self.proc, grace=STOP_GRACE_S)  # any child: SIGTERM, SIGKILL, reap
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
 
     def __enter__(self) -> Self:
         return self
@@ -140,6 +135,41 @@ def start_child(
     return _popen(cmd, role, log_dir, env, subprocess.DEVNULL)
 
 
+BENCH_MODEL = "asyncwt._bench._model:worker_model"
+"""The model factory every benchmark worker serves (its shape comes from the env)."""
+
+
+def spawn_bench_worker(
+    role: str,
+    log_dir: Path,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    prefix: Sequence[str] = (),
+) -> Child:
+    """Start a real `asyncwt worker` serving the benchmark model, `env` added to ours.
+
+    The worker launcher's `spawn_worker`, with the child's stderr in its log; learn
+    its URL with `worker_url`.
+    """
+    path = _log_path(log_dir, role)
+    child_env = {**os.environ, **(env or {})}
+    with open(path, "wb") as log:
+        proc = spawn_worker(
+            BENCH_MODEL, *args, host=host, port=port, env=child_env, prefix=prefix, stderr=log
+        )
+    return Child(proc, role, path)
+
+
+def worker_url(child: Child) -> str:
+    """The URL a worker from `spawn_bench_worker` announces; its log quoted if none."""
+    try:
+        return wait_for_url(child.proc, START_TIMEOUT_S)
+    except WorkerStartError as exc:
+        raise child.failure(str(exc)) from None
+
+
 def start_asyncwt_worker(
     *,
     backend: str,
@@ -150,65 +180,20 @@ def start_asyncwt_worker(
     transform_elementwise: bool = False,
     role: str = "asyncwt-worker",
 ) -> tuple[Child, str]:
-    """Start a real `python -m asyncwt worker` serving the benchmark model; its URL.
-
-    The model factory is `asyncwt._bench._model:worker_model` (shape from `env`).
-    """
-    cmd = [
-        sys.executable, "-m", "asyncwt", "worker",
-        "--model", "asyncwt._bench._model:worker_model",
-        "--host", "127.0.0.1", "--port", "0", "--backend", backend,
-    ]  # fmt: skip
+    """Start a real `python -m asyncwt worker` serving the benchmark model; its URL."""
+    args = ["--backend", backend]
     if apply_threads is not None:
-        cmd += ["--apply-threads", str(apply_threads)]
+        args += ["--apply-threads", str(apply_threads)]
     if transform is not None:
-        cmd += ["--transform", transform]
+        args += ["--transform", transform]
         if transform_elementwise:
-            cmd += ["--transform-elementwise"]
-    child = _popen(cmd, role, log_dir, env, subprocess.PIPE)
+            args += ["--transform-elementwise"]
+    child = spawn_bench_worker(role, log_dir, *args, env=env)
     try:
-        line = _first_line(child, START_TIMEOUT_S)
-        match = re.search(r"listening on (http://\S+)", line)
-        if match is None:
-            raise child.failure(f"did not announce its URL; it printed {line!r}")
-        _drain(child)
-        return child, match.group(1)
+        return child, worker_url(child)
     except BaseException:
         child.stop()
         raise
-
-
-def _first_line(child: Child, timeout: float) -> str:
-    stream = child.proc.stdout
-    assert stream is not None
-    deadline = time.monotonic() + timeout
-    data = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        while b"\n" not in data:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(timeout=left):
-                raise child.failure(f"printed no line within {timeout}s")
-            chunk = os.read(stream.fileno(), 4096)
-            if not chunk:
-                break
-            data += chunk
-    return data.decode(errors="replace").splitlines()[0] if data else ""
-
-
-def _drain(child: Child) -> None:
-    """Keep reading the child's stdout so that it never blocks on a full pipe."""
-    stream = child.proc.stdout
-    assert stream is not None
-
-    def run() -> None:
-        try:
-            while os.read(stream.fileno(), 65536):
-                pass
-        except (OSError, ValueError):
-            return
-
-    threading.Thread(target=run, name=f"drain-{child.role}", daemon=True).start()
 
 
 def accept_from(

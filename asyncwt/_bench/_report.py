@@ -27,7 +27,7 @@ BARS = {
     "vs_every_peer": 1.0,
     "overlap_vs_slowest": 1.15,
 }
-"""The issue's thresholds (the first is set for the 1 GiB model)."""
+"""The bars' thresholds (the first is set for the 1 GiB model)."""
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -74,7 +74,7 @@ def _bar(
 
 
 def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's bars, one line each, for every backend measured."""
+    """The bars, one line each, for every backend measured (thresholds in `BARS`)."""
     bars: list[dict[str, Any]] = []
     model = report["meta"]["model"]["bytes"]
     gib_note = (
@@ -82,104 +82,133 @@ def evaluate_bars(report: dict[str, Any]) -> list[dict[str, Any]]:
         if 0.9 * 2**30 <= model <= 1.1 * 2**30
         else f" [bar set for the 1 GiB model; this run: {model / MiB:.0f} MiB]"
     )
-    raw = report["limits"]["raw_loopback"]
     for name, paths in report["asyncwt"].items():
-        direct = paths["direct"]
         tag = f"asyncwt {name}"
-        paired = direct.get("paired", {})
-        for key, threshold, title, base_gbps in (
-            ("raw_loopback", BARS["vs_raw_loopback"], "raw loopback TCP", raw["gbps"]),
-            ("naive", BARS["vs_naive"], "naive per-tensor send",
-             report["peers"].get("naive", {}).get("gbps")),
-        ):  # fmt: skip
-            if base_gbps is None:
-                continue
-            separate = direct["vs"][key]
-            detail = (
-                f"{direct['gbps']:.2f} vs {base_gbps:.2f} GB/s measured apart ({separate:.2f}x)"
-            )
-            v = separate
-            if key in paired.get("vs", {}):
-                # Round for round beside asyncwt's rounds: the figure that counts.
-                v = paired["vs"][key]
-                base = paired["baselines"][key]
-                detail = (
-                    f"paired round by round {v:.2f}x (per round "
-                    + ", ".join(f"{r:.2f}" for r in paired["ratios"][key])
-                    + f"; {key.replace('_', ' ')} beside them {base['gbps']:.2f} GB/s); "
-                    + detail
-                )
-            bars.append(_bar(
-                f"{tag} end-to-end >= {threshold}x {title}",
-                v, threshold, v is not None and v >= threshold, detail + gib_note,
-            ))  # fmt: skip
-        if report["peers"]:
-            ratios = {p: direct["vs"][p] for p in report["peers"]}
-            worst = min(ratios, key=lambda p: ratios[p] or 0.0)
-            v = ratios[worst]
-            bars.append(_bar(
-                f"{tag} faster than every peer approach",
-                v, BARS["vs_every_peer"], v is not None and v > BARS["vs_every_peer"],
-                "; ".join(f"{p} {r:.2f}x" for p, r in ratios.items() if r is not None)
-                + f" (closest: {worst})",
-            ))  # fmt: skip
         overlap = report["overlap"].get(name)
+        bars += _throughput_bars(tag, paths["direct"], report, gib_note)
+        if report["peers"]:
+            bars.append(_every_peer_bar(tag, paths["direct"], report["peers"]))
         for pair_name, pair in (overlap or {}).get("pairs", {}).items():
-            v = pair["total_vs_slowest"]
-            more = pair["more_buffers"]
-            bars.append(_bar(
-                f"{tag} overlap of two equal stages ({pair_name}): total <= "
-                f"{BARS['overlap_vs_slowest']}x the slower alone",
-                v, BARS["overlap_vs_slowest"], v <= BARS["overlap_vs_slowest"],
-                f"total {pair['overlapped']['median_s']:.3f} s vs {pair['slowest_stage']} alone "
-                f"{pair['slowest_alone_s']:.3f} s (default buffers; with {more['num_buffers']}: "
-                f"{more['total_vs_slowest']:.2f}x)"
-                + (f"; stages alone {pair['balance']:.2f}:1" if "balance" in pair else "")
-                + (
-                    f"; paired by round {pair['paired_vs_slowest']:.2f}x"
-                    if pair.get("paired_vs_slowest") is not None
-                    else ""
-                )
-                + "".join(
-                    f"; ideal-pipeline floor {m} {f['vs_slowest']:.3f}x"
-                    for m, f in pair.get("floor", {}).items()
-                ),
-            ))  # fmt: skip
+            bars.append(_overlap_bar(tag, pair_name, pair))
         memory = report["memory"].get(name)
         if memory:
-            for side in ("trainer", "worker"):
-                # The trainer's worst path counts. On the worker the staged path runs
-                # a per-tensor transform, which needs each parameter larger than a
-                # bucket whole (one parameter-sized buffer): a cost of the transform,
-                # shown in the detail, not of the transfer.
-                counted = ("direct", "staged") if side == "trainer" else ("direct",)
-                worst_path = max(counted, key=lambda p: memory[p][side]["extra_bytes"])
-                entry = memory[worst_path]
-                extra = entry[side]["extra_bytes"]
-                limit = entry["budget_bytes"] * (1 + MEMORY_SLACK) + MEMORY_FIXED_BYTES
-                bars.append(_bar(
-                    f"{tag} peak extra memory, {side} <= num_buffers x bucket_bytes + 10% + 8 MiB",
-                    extra / entry["budget_bytes"], limit / entry["budget_bytes"], extra <= limit,
-                    f"{extra / MiB:.1f} MiB ({worst_path} path; direct "
-                    f"{memory['direct'][side]['extra_bytes'] / MiB:.1f}, staged "
-                    f"{memory['staged'][side]['extra_bytes'] / MiB:.1f}"
-                    f"{' with a transform' if side == 'worker' else ''}) vs limit {limit / MiB:.1f} MiB; "
-                    f"{extra / memory['model_bytes']:.1%} of the model",
-                    unit="x budget",
-                ))  # fmt: skip
-        bit_exact = all(paths[p].get("bit_exact") for p in paths)
-        bit_exact = bit_exact and bool(overlap is None or overlap["overlapped"].get("bit_exact"))
-        for pair in (overlap or {}).get("pairs", {}).values():
-            bit_exact = bit_exact and bool(pair["overlapped"].get("bit_exact"))
-            bit_exact = bit_exact and bool(pair["more_buffers"].get("bit_exact"))
-        bars.append(_bar(
-            f"{tag} rounds arrive bit-exact (worker checksum == trainer's)",
-            None, 1.0, bit_exact,
-            ", ".join(f"{p}: {paths[p].get('bit_exact')}" for p in paths),
-        ))  # fmt: skip
+            bars += [_memory_bar(tag, memory, side) for side in ("trainer", "worker")]
+        bars.append(_bit_exact_bar(tag, paths, overlap))
     for name, error in report["meta"].get("backend_errors", {}).items():
         bars.append(_bar(f"asyncwt {name} completes the benchmark", None, 1.0, False, error))
     return bars
+
+
+def _throughput_bars(
+    tag: str, direct: dict[str, Any], report: dict[str, Any], gib_note: str
+) -> list[dict[str, Any]]:
+    """The headline against raw loopback TCP and the naive send, paired if it was."""
+    bars: list[dict[str, Any]] = []
+    paired = direct.get("paired", {})
+    for key, threshold, title, base_gbps in (
+        ("raw_loopback", BARS["vs_raw_loopback"], "raw loopback TCP",
+         report["limits"]["raw_loopback"]["gbps"]),
+        ("naive", BARS["vs_naive"], "naive per-tensor send",
+         report["peers"].get("naive", {}).get("gbps")),
+    ):  # fmt: skip
+        if base_gbps is None:
+            continue
+        separate = direct["vs"][key]
+        detail = f"{direct['gbps']:.2f} vs {base_gbps:.2f} GB/s measured apart ({separate:.2f}x)"
+        v = separate
+        if key in paired.get("vs", {}):
+            # Round for round beside asyncwt's rounds: the figure that counts.
+            v = paired["vs"][key]
+            base = paired["baselines"][key]
+            detail = (
+                f"paired round by round {v:.2f}x (per round "
+                + ", ".join(f"{r:.2f}" for r in paired["ratios"][key])
+                + f"; {key.replace('_', ' ')} beside them {base['gbps']:.2f} GB/s); "
+                + detail
+            )
+        bars.append(_bar(
+            f"{tag} end-to-end >= {threshold}x {title}",
+            v, threshold, v is not None and v >= threshold, detail + gib_note,
+        ))  # fmt: skip
+    return bars
+
+
+def _every_peer_bar(tag: str, direct: dict[str, Any], peers: dict[str, Any]) -> dict[str, Any]:
+    """The headline against the closest peer approach."""
+    ratios = {p: direct["vs"][p] for p in peers}
+    worst = min(ratios, key=lambda p: ratios[p] or 0.0)
+    v = ratios[worst]
+    return _bar(
+        f"{tag} faster than every peer approach",
+        v, BARS["vs_every_peer"], v is not None and v > BARS["vs_every_peer"],
+        "; ".join(f"{p} {r:.2f}x" for p, r in ratios.items() if r is not None)
+        + f" (closest: {worst})",
+    )  # fmt: skip
+
+
+def _overlap_bar(tag: str, pair_name: str, pair: dict[str, Any]) -> dict[str, Any]:
+    """Two equal stages together against the slower one alone."""
+    v = pair["total_vs_slowest"]
+    more = pair["more_buffers"]
+    return _bar(
+        f"{tag} overlap of two equal stages ({pair_name}): total <= "
+        f"{BARS['overlap_vs_slowest']}x the slower alone",
+        v, BARS["overlap_vs_slowest"], v <= BARS["overlap_vs_slowest"],
+        f"total {pair['overlapped']['median_s']:.3f} s vs {pair['slowest_stage']} alone "
+        f"{pair['slowest_alone_s']:.3f} s (default buffers; with {more['num_buffers']}: "
+        f"{more['total_vs_slowest']:.2f}x)"
+        + (f"; stages alone {pair['balance']:.2f}:1" if "balance" in pair else "")
+        + (
+            f"; paired by round {pair['paired_vs_slowest']:.2f}x"
+            if pair.get("paired_vs_slowest") is not None
+            else ""
+        )
+        + "".join(
+            f"; ideal-pipeline floor {m} {f['vs_slowest']:.3f}x"
+            for m, f in pair.get("floor", {}).items()
+        ),
+    )  # fmt: skip
+
+
+def _memory_bar(tag: str, memory: dict[str, Any], side: str) -> dict[str, Any]:
+    """One side's peak extra memory against its staging budget.
+
+    The trainer's worst path counts. On the worker the staged path runs a
+    per-tensor transform, which needs each parameter larger than a bucket whole (one
+    parameter-sized buffer): a cost of the transform, shown in the detail, not of
+    the transfer.
+    """
+    counted = ("direct", "staged") if side == "trainer" else ("direct",)
+    worst_path = max(counted, key=lambda p: memory[p][side]["extra_bytes"])
+    entry = memory[worst_path]
+    extra = entry[side]["extra_bytes"]
+    limit = entry["budget_bytes"] * (1 + MEMORY_SLACK) + MEMORY_FIXED_BYTES
+    return _bar(
+        f"{tag} peak extra memory, {side} <= num_buffers x bucket_bytes + 10% + 8 MiB",
+        extra / entry["budget_bytes"], limit / entry["budget_bytes"], extra <= limit,
+        f"{extra / MiB:.1f} MiB ({worst_path} path; direct "
+        f"{memory['direct'][side]['extra_bytes'] / MiB:.1f}, staged "
+        f"{memory['staged'][side]['extra_bytes'] / MiB:.1f}"
+        f"{' with a transform' if side == 'worker' else ''}) vs limit {limit / MiB:.1f} MiB; "
+        f"{extra / memory['model_bytes']:.1%} of the model",
+        unit="x budget",
+    )  # fmt: skip
+
+
+def _bit_exact_bar(
+    tag: str, paths: dict[str, Any], overlap: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Every round of the backend, overlap runs included, arrived bit-exact."""
+    bit_exact = all(paths[p].get("bit_exact") for p in paths)
+    bit_exact = bit_exact and bool(overlap is None or overlap["overlapped"].get("bit_exact"))
+    for pair in (overlap or {}).get("pairs", {}).values():
+        bit_exact = bit_exact and bool(pair["overlapped"].get("bit_exact"))
+        bit_exact = bit_exact and bool(pair["more_buffers"].get("bit_exact"))
+    return _bar(
+        f"{tag} rounds arrive bit-exact (worker checksum == trainer's)",
+        None, 1.0, bit_exact,
+        ", ".join(f"{p}: {paths[p].get('bit_exact')}" for p in paths),
+    )  # fmt: skip
 
 
 # -- table ----------------------------------------------------------------------------
@@ -200,10 +229,28 @@ def _x(v: float | None) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    meta = report["meta"]
+    """The run as the table `asyncwt bench` prints: one block per section, then the bars."""
+    lines = _header_lines(report["meta"])
+    lines += _transfer_lines(report)
+    for backend, overlap in report["overlap"].items():
+        lines += _overlap_lines(backend, overlap)
+    for backend, memory in report["memory"].items():
+        lines += _memory_lines(backend, memory)
+    for backend, sweep in report["sweep"].items():
+        if sweep["rows"]:
+            lines += _sweep_lines(backend, sweep)
+    lines += ["", "BARS"]
+    for bar in report["bars"]:
+        lines.append(f"  {bar['status']:4}  {bar['bar']}: {_fmt_value(bar)} — {bar['detail']}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _header_lines(meta: dict[str, Any]) -> list[str]:
+    """The run's model, rounds and machine, then the TRANSFER table's column titles."""
     model = meta["model"]
     rounds = meta["settings"]["rounds"]
-    lines = [
+    return [
         "",
         (
             f"asyncwt bench: synthetic Llama, {model['bytes'] / MiB:.1f} MiB bf16 in {model['tensors']} tensors; "
@@ -217,18 +264,41 @@ def format_table(report: dict[str, Any]) -> str:
             f"{'trainer+MiB':>11} {'worker+MiB':>10} exact"
         ),
     ]
-    limits = report["limits"]
+
+
+def _transfer_lines(report: dict[str, Any]) -> list[str]:
+    """The TRANSFER rows: the limits, every peer and asyncwt path, then their notes."""
+    lines = _limit_lines(report["limits"])
+    for name, record in report["peers"].items():
+        lines.append(_transfer_row(PEER_TITLES.get(name, name), record))
+    for backend, paths in report["asyncwt"].items():
+        for path, record in paths.items():
+            lines.append(_transfer_row(f"asyncwt {backend} ({path})", record))
+    for backend, paths in report["asyncwt"].items():
+        paired = paths["direct"].get("paired")
+        if paired:
+            lines.append(_paired_line(backend, paired))
+    for backend, paths in report["asyncwt"].items():
+        for path, record in paths.items():
+            lines.append(_stage_busy_line(backend, path, record))
+    return lines
+
+
+def _limit_lines(limits: dict[str, Any]) -> list[str]:
+    """The raw loopback and memcpy rows, and what the raw loopback's rounds did."""
     raw = limits["raw_loopback"]
-    lines.append(
-        f"  {'raw loopback TCP (' + raw['variant'] + ', ' + raw.get('taken', '') + ')':34} "
-        f"{raw['median_s']:9.3f} {raw['gbps']:6.2f} "
-        f"{_x(1.0)} {_x(raw['vs']['memcpy']):>7} {'':6} {'':11} {'':10}"
-    )
     mem = limits["memcpy"]
-    lines.append(
-        f"  {'memcpy, 1 thread':34} {mem['median_s']:9.3f} {mem['gbps']:6.2f} {_x(mem['vs']['raw_loopback'])} "
-        f"{_x(1.0):>7}"
-    )
+    lines = [
+        (
+            f"  {'raw loopback TCP (' + raw['variant'] + ', ' + raw.get('taken', '') + ')':34} "
+            f"{raw['median_s']:9.3f} {raw['gbps']:6.2f} "
+            f"{_x(1.0)} {_x(raw['vs']['memcpy']):>7} {'':6} {'':11} {'':10}"
+        ),
+        (
+            f"  {'memcpy, 1 thread':34} {mem['median_s']:9.3f} {mem['gbps']:6.2f} {_x(mem['vs']['raw_loopback'])} "
+            f"{_x(1.0):>7}"
+        ),
+    ]
     if raw.get("cores_busy"):
         lines.append(f"  (raw loopback TCP, {_cores(raw)})")
     if "start" in raw:
@@ -236,147 +306,154 @@ def format_table(report: dict[str, Any]) -> str:
             f"  (raw loopback at the start {raw['start']['gbps']:.2f} GB/s, at the end "
             f"{raw['end']['gbps']:.2f} GB/s, drift {raw['drift']:+.0%}: the better one counts)"
         )
+    return lines
 
-    def row(title: str, r: dict[str, Any]) -> str:
-        vs = r["vs"]
-        return (
-            f"  {title:34} {r['median_s']:9.3f} {r['gbps']:6.2f} {_x(vs.get('raw_loopback'))} "
-            f"{_x(vs.get('memcpy')):>7} {_x(vs.get('naive', 1.0 if title.startswith('naive') else None))} "
-            f"{_mib(r['memory']['trainer']['extra_bytes']):>11} {_mib(r['memory']['worker']['extra_bytes']):>10} "
-            f"{'yes' if r.get('bit_exact') else 'NO'}"
+
+def _transfer_row(title: str, r: dict[str, Any]) -> str:
+    """One approach's TRANSFER row: time, throughput, ratios, extra memory, exactness."""
+    vs = r["vs"]
+    return (
+        f"  {title:34} {r['median_s']:9.3f} {r['gbps']:6.2f} {_x(vs.get('raw_loopback'))} "
+        f"{_x(vs.get('memcpy')):>7} {_x(vs.get('naive', 1.0 if title.startswith('naive') else None))} "
+        f"{_mib(r['memory']['trainer']['extra_bytes']):>11} {_mib(r['memory']['worker']['extra_bytes']):>10} "
+        f"{'yes' if r.get('bit_exact') else 'NO'}"
+    )
+
+
+def _paired_line(backend: str, paired: dict[str, Any]) -> str:
+    """A backend's headline against the baselines run right before each of its rounds."""
+    return (
+        f"  asyncwt {backend} (direct), paired with the baselines run right before it "
+        f"(blocks of {paired.get('block', 1)} rounds, the last counts): "
+        + "; ".join(
+            f"{k.replace('_', ' ')} {paired['baselines'][k]['gbps']:.2f} GB/s, "
+            f"{v:.2f}x (rounds " + " ".join(f"{r:.2f}" for r in paired["ratios"][k]) + ")"
+            for k, v in paired["vs"].items()
         )
+    )
 
-    for name, record in report["peers"].items():
-        lines.append(row(PEER_TITLES.get(name, name), record))
-    for backend, paths in report["asyncwt"].items():
-        for path, record in paths.items():
-            lines.append(row(f"asyncwt {backend} ({path})", record))
-    for backend, paths in report["asyncwt"].items():
-        paired = paths["direct"].get("paired")
-        if paired:
-            lines.append(
-                f"  asyncwt {backend} (direct), paired with the baselines run right before it "
-                f"(blocks of {paired.get('block', 1)} rounds, the last counts): "
-                + "; ".join(
-                    f"{k.replace('_', ' ')} {paired['baselines'][k]['gbps']:.2f} GB/s, "
-                    f"{v:.2f}x (rounds " + " ".join(f"{r:.2f}" for r in paired["ratios"][k]) + ")"
-                    for k, v in paired["vs"].items()
-                )
-            )
-    for backend, paths in report["asyncwt"].items():
-        for path, record in paths.items():
-            busy = " ".join(
-                f"{k} {v:.3f} s ({record['stage_busy_share'][k]:.0%})"
-                for k, v in record["stage_busy_s"].items()
-            )
-            cfg = record["config"]
-            lines.append(
-                f"  asyncwt {backend} ({path}) bucket {cfg['bucket_bytes'] / MiB:g} MiB x {cfg['num_buffers']}, "
-                f"{record['buckets']} buckets; stage busy: {busy}"
-                + (f"; {_cores(record)}" if record.get("cores_busy") else "")
-            )
 
-    for backend, overlap in report["overlap"].items():
-        st = overlap["stage_alone_s"]
-        lines += [
-            "",
-            (
-                f"OVERLAP (asyncwt {backend}: gather {overlap['gather_s_per_tensor'] * 1e3:.2f} ms/tensor, "
-                f"transform {overlap['transform_s_per_bucket'] * 1e3:.2f} ms/bucket on {overlap['apply_threads']} threads, "
-                f"{'elementwise' if overlap.get('transform_elementwise') else 'on whole tensors'})"
-            ),
-            (
-                f"  alone: gather {st['gather']:.3f} s | wire {st['wire']:.3f} s | transform {st['transform']:.3f} s "
-                f"| sum {overlap['sum_of_stages_s']:.3f} s"
-            ),
-            (
-                f"  together: {overlap['overlapped']['median_s']:.3f} s = {overlap['total_vs_slowest']:.2f}x the slowest "
-                f"({overlap['slowest_stage']}), {overlap['total_vs_sum']:.2f}x the sum"
-            ),
-            (
-                f"  with {overlap['more_buffers']['num_buffers']} buffers instead: "
-                f"{overlap['more_buffers']['median_s']:.3f} s = "
-                f"{overlap['more_buffers']['total_vs_slowest']:.2f}x the slowest"
-            ),
-        ]
-        for pair_name, pair in overlap.get("pairs", {}).items():
-            alone = " | ".join(f"{k} {v:.3f} s" for k, v in pair["stage_alone_s"].items())
-            more = pair["more_buffers"]
-            lines.append(
-                f"  two stages, {pair_name}: alone {alone}; together "
-                f"{pair['overlapped']['median_s']:.3f} s = {pair['total_vs_slowest']:.2f}x the slower "
-                f"({pair['slowest_stage']}); with {more['num_buffers']} buffers "
-                f"{more['median_s']:.3f} s = {more['total_vs_slowest']:.2f}x"
-                + (
-                    f"; the slower stage alone is {pair['balance']:.2f}x the faster"
-                    if "balance" in pair
-                    else ""
-                )
-                + (
-                    f"; round by round against the wire alone next to it: "
-                    f"{pair['paired_vs_slowest']:.2f}x (with {more['num_buffers']} buffers "
-                    f"{more['paired_vs_slowest']:.2f}x)"
-                    if pair.get("paired_vs_slowest") is not None
-                    else ""
-                )
-            )
-            attempts = pair.get("attempts", [])
-            if len(attempts) > 1:
-                lines.append(
-                    f"    calibrated {len(attempts)} times to balance the stages; kept the closest: "
-                    + ", ".join(
-                        f"{'[' if a['kept'] else ''}{a['off_balance']:.2f}:1 -> "
-                        f"{a['total_vs_slower']:.2f}x{']' if a['kept'] else ''}"
-                        for a in attempts
-                    )
-                )
-            if "floor" in pair:
-                lines.append(
-                    "    floor (an ideal pipeline of the same work, no overhead): "
-                    + ", ".join(f"{m} {f['vs_slowest']:.3f}x" for m, f in pair["floor"].items())
-                )
+def _stage_busy_line(backend: str, path: str, record: dict[str, Any]) -> str:
+    """A path's bucket configuration and how long each pipeline stage was busy."""
+    busy = " ".join(
+        f"{k} {v:.3f} s ({record['stage_busy_share'][k]:.0%})"
+        for k, v in record["stage_busy_s"].items()
+    )
+    cfg = record["config"]
+    return (
+        f"  asyncwt {backend} ({path}) bucket {cfg['bucket_bytes'] / MiB:g} MiB x {cfg['num_buffers']}, "
+        f"{record['buckets']} buckets; stage busy: {busy}"
+        + (f"; {_cores(record)}" if record.get("cores_busy") else "")
+    )
 
-    for backend, memory in report["memory"].items():
-        lines += [
-            "",
-            f"MEMORY (asyncwt {backend}: peak extra RSS over warm-up + rounds, vs budget num_buffers x bucket_bytes)",
-        ]
-        for path in ("direct", "staged"):
-            entry = memory[path]
-            for side in ("trainer", "worker"):
-                s = entry[side]
-                lines.append(
-                    f"  {path:7} {side:8} {s['extra_bytes'] / MiB:8.1f} MiB = {s['vs_budget']:5.2f}x budget "
-                    f"({entry['budget_bytes'] / MiB:g} MiB), {s['vs_model']:6.1%} of model [{s['method']}]"
-                )
 
-    for backend, sweep in report["sweep"].items():
-        if not sweep["rows"]:
-            continue
-        lines += [
-            "",
-            f"SWEEP (asyncwt {backend})",
-            f"  {'mode':7} {'bucket':>10} {'bufs':>4} {'median s':>9} {'GB/s':>6} {'xraw':>6} {'trainer+MiB':>11} {'worker+MiB':>10}",
-        ]
-        for r in sweep["rows"]:
-            lines.append(
-                f"  {r['mode']:7} {_size(r['bucket_bytes']):>10} {r['num_buffers']:4d} {r['median_s']:9.3f} "
-                f"{r['gbps']:6.2f} {_x(r['vs']['raw_loopback'])} {_mib(r['trainer_extra_bytes']):>11} "
-                f"{_mib(r['worker_extra_bytes']):>10}"
-            )
-        for mode, pick in sweep["recommended"].items():
-            fastest = sweep["fastest"][mode]
-            lines.append(
-                f"  {mode}: fastest {_size(fastest['bucket_bytes'])} x {fastest['num_buffers']} "
-                f"({fastest['gbps']:.2f} GB/s); least memory within 5%: {_size(pick['bucket_bytes'])} x "
-                f"{pick['num_buffers']} ({pick['gbps']:.2f} GB/s)"
-            )
+def _overlap_lines(backend: str, overlap: dict[str, Any]) -> list[str]:
+    """The OVERLAP block: the three stages alone and together, then each pair."""
+    st = overlap["stage_alone_s"]
+    lines = [
+        "",
+        (
+            f"OVERLAP (asyncwt {backend}: gather {overlap['gather_s_per_tensor'] * 1e3:.2f} ms/tensor, "
+            f"transform {overlap['transform_s_per_bucket'] * 1e3:.2f} ms/bucket on {overlap['apply_threads']} threads, "
+            f"{'elementwise' if overlap.get('transform_elementwise') else 'on whole tensors'})"
+        ),
+        (
+            f"  alone: gather {st['gather']:.3f} s | wire {st['wire']:.3f} s | transform {st['transform']:.3f} s "
+            f"| sum {overlap['sum_of_stages_s']:.3f} s"
+        ),
+        (
+            f"  together: {overlap['overlapped']['median_s']:.3f} s = {overlap['total_vs_slowest']:.2f}x the slowest "
+            f"({overlap['slowest_stage']}), {overlap['total_vs_sum']:.2f}x the sum"
+        ),
+        (
+            f"  with {overlap['more_buffers']['num_buffers']} buffers instead: "
+            f"{overlap['more_buffers']['median_s']:.3f} s = "
+            f"{overlap['more_buffers']['total_vs_slowest']:.2f}x the slowest"
+        ),
+    ]
+    for pair_name, pair in overlap.get("pairs", {}).items():
+        lines += _pair_lines(pair_name, pair)
+    return lines
 
-    lines += ["", "BARS"]
-    for bar in report["bars"]:
-        lines.append(f"  {bar['status']:4}  {bar['bar']}: {_fmt_value(bar)} — {bar['detail']}")
-    lines.append("")
-    return "\n".join(lines)
+
+def _pair_lines(pair_name: str, pair: dict[str, Any]) -> list[str]:
+    """One overlap pair: alone and together, its calibration attempts, its floor."""
+    alone = " | ".join(f"{k} {v:.3f} s" for k, v in pair["stage_alone_s"].items())
+    more = pair["more_buffers"]
+    lines = [
+        f"  two stages, {pair_name}: alone {alone}; together "
+        f"{pair['overlapped']['median_s']:.3f} s = {pair['total_vs_slowest']:.2f}x the slower "
+        f"({pair['slowest_stage']}); with {more['num_buffers']} buffers "
+        f"{more['median_s']:.3f} s = {more['total_vs_slowest']:.2f}x"
+        + (
+            f"; the slower stage alone is {pair['balance']:.2f}x the faster"
+            if "balance" in pair
+            else ""
+        )
+        + (
+            f"; round by round against the wire alone next to it: "
+            f"{pair['paired_vs_slowest']:.2f}x (with {more['num_buffers']} buffers "
+            f"{more['paired_vs_slowest']:.2f}x)"
+            if pair.get("paired_vs_slowest") is not None
+            else ""
+        )
+    ]
+    attempts = pair.get("attempts", [])
+    if len(attempts) > 1:
+        lines.append(
+            f"    calibrated {len(attempts)} times to balance the stages; kept the closest: "
+            + ", ".join(
+                f"{'[' if a['kept'] else ''}{a['off_balance']:.2f}:1 -> "
+                f"{a['total_vs_slower']:.2f}x{']' if a['kept'] else ''}"
+                for a in attempts
+            )
+        )
+    if "floor" in pair:
+        lines.append(
+            "    floor (an ideal pipeline of the same work, no overhead): "
+            + ", ".join(f"{m} {f['vs_slowest']:.3f}x" for m, f in pair["floor"].items())
+        )
+    return lines
+
+
+def _memory_lines(backend: str, memory: dict[str, Any]) -> list[str]:
+    """The MEMORY block: each path's and side's peak extra RSS against the budget."""
+    lines = [
+        "",
+        f"MEMORY (asyncwt {backend}: peak extra RSS over warm-up + rounds, vs budget num_buffers x bucket_bytes)",
+    ]
+    for path in ("direct", "staged"):
+        entry = memory[path]
+        for side in ("trainer", "worker"):
+            s = entry[side]
+            lines.append(
+                f"  {path:7} {side:8} {s['extra_bytes'] / MiB:8.1f} MiB = {s['vs_budget']:5.2f}x budget "
+                f"({entry['budget_bytes'] / MiB:g} MiB), {s['vs_model']:6.1%} of model [{s['method']}]"
+            )
+    return lines
+
+
+def _sweep_lines(backend: str, sweep: dict[str, Any]) -> list[str]:
+    """The SWEEP block: every configuration's row, then the fastest and the pick."""
+    lines = [
+        "",
+        f"SWEEP (asyncwt {backend})",
+        f"  {'mode':7} {'bucket':>10} {'bufs':>4} {'median s':>9} {'GB/s':>6} {'xraw':>6} {'trainer+MiB':>11} {'worker+MiB':>10}",
+    ]
+    for r in sweep["rows"]:
+        lines.append(
+            f"  {r['mode']:7} {_size(r['bucket_bytes']):>10} {r['num_buffers']:4d} {r['median_s']:9.3f} "
+            f"{r['gbps']:6.2f} {_x(r['vs']['raw_loopback'])} {_mib(r['trainer_extra_bytes']):>11} "
+            f"{_mib(r['worker_extra_bytes']):>10}"
+        )
+    for mode, pick in sweep["recommended"].items():
+        fastest = sweep["fastest"][mode]
+        lines.append(
+            f"  {mode}: fastest {_size(fastest['bucket_bytes'])} x {fastest['num_buffers']} "
+            f"({fastest['gbps']:.2f} GB/s); least memory within 5%: {_size(pick['bucket_bytes'])} x "
+            f"{pick['num_buffers']} ({pick['gbps']:.2f} GB/s)"
+        )
+    return lines
 
 
 def _fmt_value(bar: dict[str, Any]) -> str:

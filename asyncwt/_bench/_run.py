@@ -85,7 +85,7 @@ PRESETS: dict[str, Preset] = {
         sweep_bucket_bytes=(256 * KiB, 1 * MiB), sweep_num_buffers=(1, 2),
     ),
 }  # fmt: skip
-"""`default` is the issue's 1 GiB model with the library's default bucket (64 MiB);
+"""`default` is the 1 GiB model with the library's default bucket (64 MiB);
 `quick` (64 MiB) is for CI-sized runs; `tiny` (8 MiB) is the test suite's smoke run."""
 
 
@@ -128,8 +128,7 @@ class BenchSettings:
     """torch intra-op threads in every process (this one and each child); 0 keeps
     torch's default. On a small machine two processes each running an OpenMP pool
     oversubscribe the cores and OpenMP's spin-waiting stalls the other process's
-    socket I/O (measured here: 8 MiB packed-sequential 100x slower), so by default
-    every approach runs with one."""
+    socket I/O, so by default every approach runs with one."""
 
     def child_env(self) -> dict[str, str]:
         """Environment added to every child process."""
@@ -174,6 +173,7 @@ def run_bench(settings: BenchSettings, log: Log = print) -> dict[str, Any]:
 
 
 def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
+    """Every section in order: limits, peers, each backend, the limit again."""
     started = time.perf_counter()
     log_dir = settings.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -189,23 +189,7 @@ def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
         f"{rounds.rounds} timed rounds after {rounds.warmup} warm-up per figure"
     )
     report: dict[str, Any] = {
-        "meta": {
-            "settings": settings.as_dict(),
-            "model": {
-                **asdict(shape),
-                "bytes": nbytes,
-                "tensors": shape.num_tensors,
-                "dtype": "bfloat16",
-            },
-            "trainer_checksum": expected,
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "started_unix": time.time(),
-            "loadavg_at_start": os.getloadavg(),
-        },
+        "meta": _meta(settings, shape, nbytes, expected),
         "limits": {},
         "peers": {},
         "asyncwt": {},
@@ -228,6 +212,50 @@ def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
             env=settings.child_env(),
         )  # fmt: skip
 
+    _run_backends(settings, model, shape, expected, report, log, log_dir)
+
+    # A shared machine drifts over minutes: measure the limit again and keep the
+    # better of the two, so that no ratio flatters asyncwt because the wire slowed.
+    log("limits: raw loopback TCP again (drift check)")
+    raw_end = measure_raw_loopback(nbytes, rounds, log_dir, settings.child_env())
+    report["limits"]["raw_loopback"] = _better_raw_loopback(raw_start, raw_end)
+    report["meta"]["runtime_s"] = time.perf_counter() - started
+    report["meta"]["loadavg_at_end"] = os.getloadavg()
+    return report
+
+
+def _meta(settings: BenchSettings, shape: LlamaShape, nbytes: int, expected: str) -> dict[str, Any]:
+    """What the run was: its settings, the model, the software and the machine."""
+    return {
+        "settings": settings.as_dict(),
+        "model": {
+            **asdict(shape),
+            "bytes": nbytes,
+            "tensors": shape.num_tensors,
+            "dtype": "bfloat16",
+        },
+        "trainer_checksum": expected,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "started_unix": time.time(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def _run_backends(
+    settings: BenchSettings,
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    expected: str,
+    report: dict[str, Any],
+    log: Log,
+    log_dir: Path,
+) -> None:
+    """Every available backend's sections; one that fails is reported, not fatal
+    (unless it is the only one)."""
     backends = available_backends(settings.backends)
     report["meta"]["backends"] = [b.name for b in backends]
     report["meta"]["backend_errors"] = {}
@@ -242,21 +270,21 @@ def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
             for section in ("asyncwt", "overlap", "memory", "sweep"):
                 report[section].pop(backend.name, None)
 
-    # A shared machine drifts over minutes: measure the limit again and keep the
-    # better of the two, so that no ratio flatters asyncwt because the wire slowed.
-    log("limits: raw loopback TCP again (drift check)")
-    raw_end = measure_raw_loopback(nbytes, rounds, log_dir, settings.child_env())
+
+def _better_raw_loopback(raw_start: dict[str, Any], raw_end: dict[str, Any]) -> dict[str, Any]:
+    """The faster of the run's two raw loopback figures, with both and their drift."""
     best = raw_start if raw_start["gbps"] >= raw_end["gbps"] else raw_end
-    report["limits"]["raw_loopback"] = {
+    return {
         **best,
         "taken": "start" if best is raw_start else "end",
         "start": {k: raw_start[k] for k in ("median_s", "gbps", "rounds_s", "variant")},
         "end": {k: raw_end[k] for k in ("median_s", "gbps", "rounds_s", "variant")},
         "drift": raw_end["gbps"] / raw_start["gbps"] - 1,
     }
-    report["meta"]["runtime_s"] = time.perf_counter() - started
-    report["meta"]["loadavg_at_end"] = os.getloadavg()
-    return report
+
+
+TrainerRun = Callable[..., list[dict[str, Any]]]
+"""`run(worker, url, jobs, between_rounds=None)`: a trainer process's job records."""
 
 
 def _run_backend(
@@ -269,13 +297,42 @@ def _run_backend(
     log: Log,
     log_dir: Path,
 ) -> None:
+    """One backend's sections: headline and sweep, staged path, memory, overlap."""
     name = backend.name
     env = {**settings.child_env(), MODEL_ENV: shape.to_json()}
-    default = settings.config
-    staged_default = EngineConfig(
-        bucket_bytes=default.bucket_bytes, num_buffers=default.num_buffers, zero_copy=False
+    trainer = _trainer_runner(backend, settings, shape, expected, log_dir, env)
+    direct, sweep_direct = _headline(
+        backend, settings, model, shape, report, trainer, log, log_dir, env
     )
-    transform = "asyncwt._bench._overlap:bench_transform"
+    staged, wire, sweep_staged = _staged(backend, settings, trainer, log, log_dir, env)
+    direct["path"], staged["path"], wire["path"] = "direct", "staged", "transform-hook"
+
+    report["asyncwt"][name] = {"direct": direct, "staged": staged}
+    rows = [{"mode": "direct", **r} for r in sweep_direct] + [
+        {"mode": "staged", **r} for r in sweep_staged
+    ]
+    report["sweep"][name] = _summarize_sweep(rows)
+    report["memory"][name] = _memory_section(direct, staged, model)
+
+    # 3. Overlap: slow gather + wire + slow transform, against the slowest alone.
+    apply = _ApplyBench.build(backend, settings, shape)
+    report["overlap"][name] = _overlap(
+        backend, settings, model, shape, wire, apply, trainer, log, log_dir, env
+    )
+    report["overlap"][name]["pairs"] = _overlap_pairs(
+        backend, settings, model, shape, apply, trainer, log, log_dir, env
+    )
+
+
+def _trainer_runner(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    shape: LlamaShape,
+    expected: str,
+    log_dir: Path,
+    env: dict[str, str],
+) -> TrainerRun:
+    """Runs jobs in a fresh trainer process, checking that it built the same model."""
 
     def trainer(
         worker: Child,
@@ -295,9 +352,24 @@ def _run_backend(
             )
         return records
 
-    # 1. The default configuration against a plain worker (the headline), each round
-    #    paired with a raw loopback round run right before it; again, paired with naive
-    #    rounds; then the sweep.
+    return trainer
+
+
+def _headline(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    report: dict[str, Any],
+    trainer: TrainerRun,
+    log: Log,
+    log_dir: Path,
+    env: dict[str, str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """1. The default configuration against a plain worker (the headline), each round
+    paired with a raw loopback round run right before it; again, paired with naive
+    rounds; then the sweep. The headline record and the sweep's."""
+    name = backend.name
     worker, url = start_asyncwt_worker(
         backend=name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
         role=f"worker-{name}",
@@ -314,7 +386,7 @@ def _run_backend(
         jobs = [
             TrainerJob(
                 label=label,
-                config=default,
+                config=settings.config,
                 verify=True,
                 worker_baseline_bytes=rss_bytes(worker.pid),
                 rounds=paired.job_rounds,
@@ -335,15 +407,31 @@ def _run_backend(
         headline = dict(zip(paired.jobs, records, strict=False))
         sweep_direct = records[len(headline) :]
         direct = headline[PairedBaselines.RAW_JOB]
-        direct["paired"] = paired.result(headline, expected)
+        direct["paired"] = paired.result(headline, report["meta"]["trainer_checksum"])
         if PairedBaselines.NAIVE_JOB in headline:
             direct["bit_exact"] = (
                 direct["bit_exact"] and headline[PairedBaselines.NAIVE_JOB]["bit_exact"]
             )
+    return direct, sweep_direct
 
-    # 2. The staged path: the trainer packs every bucket, the worker receives into
-    #    buffers and applies through an (instant) identity transform; then the wire
-    #    alone for the overlap test (zero-copy send, transform hook), then the sweep.
+
+def _staged(
+    backend: BackendEntry,
+    settings: BenchSettings,
+    trainer: TrainerRun,
+    log: Log,
+    log_dir: Path,
+    env: dict[str, str],
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """2. The staged path: the trainer packs every bucket, the worker receives into
+    buffers and applies through an (instant) identity transform; then the wire
+    alone for the overlap test (zero-copy send, transform hook), then the sweep.
+    The staged record, the wire-alone record and the sweep's."""
+    name = backend.name
+    default = settings.config
+    staged_default = EngineConfig(
+        bucket_bytes=default.bucket_bytes, num_buffers=default.num_buffers, zero_copy=False
+    )
     staged_env = {
         **env,
         TRANSFORM_ENV: TransformConfig(
@@ -352,8 +440,8 @@ def _run_backend(
     }
     worker, url = start_asyncwt_worker(
         backend=name, log_dir=log_dir, env=staged_env, apply_threads=settings.apply_threads,
-        transform=transform, transform_elementwise=settings.transform_elementwise,
-        role=f"worker-{name}-staged",
+        transform="asyncwt._bench._overlap:bench_transform",
+        transform_elementwise=settings.transform_elementwise, role=f"worker-{name}-staged",
     )  # fmt: skip
     with worker:
         jobs = [
@@ -373,23 +461,7 @@ def _run_backend(
             f"asyncwt {name}: staged path, wire-alone reference, then {len(jobs) - 2} sweep runs, against {url}"
         )
         staged, wire, *sweep_staged = trainer(worker, url, jobs)
-    direct["path"], staged["path"], wire["path"] = "direct", "staged", "transform-hook"
-
-    report["asyncwt"][name] = {"direct": direct, "staged": staged}
-    rows = [{"mode": "direct", **r} for r in sweep_direct] + [
-        {"mode": "staged", **r} for r in sweep_staged
-    ]
-    report["sweep"][name] = _summarize_sweep(rows)
-    report["memory"][name] = _memory_section(direct, staged, model)
-
-    # 3. Overlap: slow gather + wire + slow transform, against the slowest alone.
-    apply = _ApplyBench.build(backend, settings, shape)
-    report["overlap"][name] = _overlap(
-        backend, settings, model, shape, wire, apply, trainer, log, log_dir, env
-    )
-    report["overlap"][name]["pairs"] = _overlap_pairs(
-        backend, settings, model, shape, apply, trainer, log, log_dir, env
-    )
+    return staged, wire, sweep_staged
 
 
 def _grid(settings: BenchSettings, *, zero_copy: bool) -> list[EngineConfig]:
@@ -554,8 +626,8 @@ def _calibrated_gather(
     model: torch.nn.Module, target_s: float, rounds: Rounds, nbytes: int
 ) -> tuple[float, dict[str, Any]]:
     """The per-tensor sleep that makes a gather pass take about `target_s`, and that
-    pass measured alone. A sleep overshoots (by about a millisecond here): the
-    first measurement corrects the delay once."""
+    pass measured alone. A sleep overshoots: the first measurement
+    corrects the delay once."""
     count = sum(1 for _ in model.parameters())
     delay = target_s / count
     first = _gather_alone(model, delay, rounds, nbytes)
@@ -634,7 +706,7 @@ def _overlap_pairs(
     model: torch.nn.Module,
     shape: LlamaShape,
     apply: _ApplyBench,
-    trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
+    trainer: TrainerRun,
     log: Log,
     log_dir: Path,
     env: dict[str, str],
@@ -655,148 +727,187 @@ def _overlap_pairs(
     least `PAIR_ROUNDS` rounds of each kind, and runs with the default buffers and
     with one more per apply thread.
     """
-    config, more = settings.config, _more_buffers(settings)
-    plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
-    rounds = Rounds(rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup)
+    config = settings.config
+    ctx = _PairRun(
+        backend=backend, settings=settings, model=model, apply=apply, trainer=trainer,
+        log=log, log_dir=log_dir, env=env, more=_more_buffers(settings),
+        plan=TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes),
+        rounds=Rounds(
+            rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup
+        ),
+    )  # fmt: skip
+    builders = {"gather+wire": _gather_wire_pair, "wire+transform": _wire_transform_pair}
+    return {name: builders[name](ctx) for name in PAIR_NAMES if name in pairs}
 
-    def calibrate(worker: Child, url: str) -> float:
+
+@dataclass(frozen=True, kw_only=True)
+class _PairRun:
+    """What every overlap pair of one backend runs with."""
+
+    backend: BackendEntry
+    settings: BenchSettings
+    model: torch.nn.Module
+    apply: _ApplyBench
+    trainer: TrainerRun
+    log: Log
+    log_dir: Path
+    env: dict[str, str]
+    more: EngineConfig
+    """The default configuration with one more buffer per apply thread."""
+    plan: TransferPlan
+    rounds: Rounds
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.settings.config
+
+    def calibrate(self, worker: Child, url: str) -> float:
         """The wire alone against `worker`, measured right before the pair."""
-        job = TrainerJob(label="calibration", config=config, rounds=rounds.rounds)
-        (result,) = trainer(worker, url, [job])
+        job = TrainerJob(label="calibration", config=self.config, rounds=self.rounds.rounds)
+        (result,) = self.trainer(worker, url, [job])
         return float(result["median_s"])
 
-    def gather_wire() -> dict[str, Any]:
-        """A slow gather into a plain worker (the headline's configuration)."""
-        worker, url = start_asyncwt_worker(
-            backend=backend.name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
-            role=f"worker-{backend.name}-pair",
-        )  # fmt: skip
-        with worker:
-            target = settings.gather_x * calibrate(worker, url)
-            tries: list[dict[str, Any]] = []
-            for attempt in range(1, PAIR_ATTEMPTS + 1):
-                delay, gather_alone = _calibrated_gather(model, target, rounds, plan.total_bytes)
-                log(
-                    f"overlap pair (attempt {attempt}): slow gather ({delay * 1e3:.2f} ms/tensor) -> "
-                    f"{backend.name}, interleaved with the wire alone, against {url}"
-                )
-                jobs = [
-                    TrainerJob(
-                        label=f"gather+wire{tag}", config=c, gather_s_per_tensor=delay, verify=True,
-                        rounds=rounds.rounds, interleaved=True,
-                    )
-                    for tag, c in (("", config), (", more buffers", more))
-                ]  # fmt: skip
-                total, more_total = trainer(worker, url, jobs)
-                wire_s = total["alone"]["median_s"]
-                tries.append({
-                    "delay": delay, "gather_alone": gather_alone, "total": total,
-                    "more_total": more_total,
-                    "off": _off_balance(gather_alone["median_s"], settings.gather_x * wire_s),
-                })  # fmt: skip
-                if tries[-1]["off"] <= BALANCE_WITHIN:
-                    break
-                target = settings.gather_x * wire_s  # the wire the pair just met
-            kept = min(tries, key=lambda t: float(t["off"]))
-            delay, gather_alone = kept["delay"], kept["gather_alone"]
-            total, more_total = kept["total"], kept["more_total"]
-        wire_s = total["alone"]["median_s"]
-        record = _overlap_record(
-            {"gather": gather_alone["median_s"], "wire": wire_s}, total, more_total, 0,
-            {"gather": gather_alone["median_s"], "wire": more_total["alone"]["median_s"]},
-        )  # fmt: skip
-        record["gather_s_per_tensor"] = delay
-        record["attempts"] = _attempts(tries, kept, "gather_s_per_tensor", "delay")
-        floors = gather_wire_floors(plan, gather_alone["median_s"], wire_s)
-        # What the same work would allow in registration order (LM head last).
-        registration = TransferPlan.build(
-            ModuleSource(model, layers_last=False).metadata, bucket_bytes=config.bucket_bytes
-        )
-        floors["bucket, registration order"] = gather_wire_floors(
-            registration, gather_alone["median_s"], wire_s
-        )["bucket"]
-        record["floor"] = _floor_record(floors, record)
-        return record
-
-    def wire_transform() -> dict[str, Any]:
-        """A plain source into a worker whose transform the trainer switches."""
-        events_path = log_dir / f"transform-events-{backend.name}-pair.txt"
-        control_path = log_dir / f"transform-control-{backend.name}-pair.txt"
-        events_path.unlink(missing_ok=True)
-        set_transform_delay(str(control_path), 0.0)  # instant until a slow round
-        switched = TransformConfig(
-            s_per_bucket=0.0, bucket_bytes=config.bucket_bytes,
-            events_path=str(events_path), control_path=str(control_path),
-        )  # fmt: skip
-        worker, url = _slow_transform_worker(
-            backend, settings, switched, log_dir, env, role=f"worker-{backend.name}-pair-transform"
-        )
-        with worker:
-            aim = calibrate(worker, url)
-            tries: list[dict[str, Any]] = []
-            for attempt in range(1, PAIR_ATTEMPTS + 1):
-                s_per_bucket = _calibrated_transform_s(settings, aim, plan, apply)
-                transform = TransformConfig(
-                    s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes
-                )
-                transform_alone = apply.alone(transform, rounds)
-                log(
-                    f"overlap pair (attempt {attempt}): {backend.name} -> slow transform "
-                    f"({s_per_bucket * 1e3:.2f} ms/bucket), interleaved with the wire alone, against {url}"
-                )
-                jobs = [
-                    TrainerJob(
-                        label=f"wire+transform{tag}", config=c, verify=True,
-                        events_path=str(events_path), transform_control=str(control_path),
-                        transform_s_per_bucket=s_per_bucket, rounds=rounds.rounds, interleaved=True,
-                    )
-                    for tag, c in (("", config), (", more buffers", more))
-                ]  # fmt: skip
-                total, more_total = trainer(worker, url, jobs)
-                wire_s, apply_s = total["alone"]["median_s"], transform_alone["median_s"]
-                tries.append({
-                    "s_per_bucket": s_per_bucket, "transform_alone": transform_alone, "total": total,
-                    "more_total": more_total,
-                    "off": _off_balance(apply_s, settings.transform_x * wire_s),
-                })  # fmt: skip
-                if tries[-1]["off"] <= BALANCE_WITHIN:
-                    break
-                # Aim at the wire the pair just met, corrected by how far the calibration
-                # itself missed its aim (the apply stage's own costs move with the machine).
-                aim = wire_s + (aim - apply_s / settings.transform_x)
-            kept = min(tries, key=lambda t: float(t["off"]))
-            s_per_bucket, transform_alone = kept["s_per_bucket"], kept["transform_alone"]
-            total, more_total = kept["total"], kept["more_total"]
-        wire_s = total["alone"]["median_s"]
-        apply_s = transform_alone["median_s"]
-        record = _overlap_record(
-            {"wire": wire_s, "transform": apply_s}, total, more_total, 0,
-            {"wire": more_total["alone"]["median_s"], "transform": apply_s},
-        )  # fmt: skip
-        record["transform_s_per_bucket"] = s_per_bucket
-        record["attempts"] = _attempts(tries, kept, "transform_s_per_bucket", "s_per_bucket")
-        # Every job costs its bytes at the transform's rate plus the copies' (measured).
-        copy_s_per_bucket = (
-            apply.copies["median_s"]
-            * settings.apply_threads
-            * (plan.bucket_bytes / plan.total_bytes)
-        )
-        floors = {
-            mode: transform_floor(
-                plan,
-                transform_jobs(
-                    model, plan, settings.apply_threads, elementwise=elementwise,
-                    in_place=apply.stage.in_place,
-                ),
-                wire_s, s_per_bucket + copy_s_per_bucket, settings.apply_threads,
+    def together(self, worker: Child, url: str, label: str, **job: Any) -> list[dict[str, Any]]:
+        """The pair interleaved with the wire alone, default buffers then more."""
+        jobs = [
+            TrainerJob(
+                label=f"{label}{tag}", config=c, verify=True, rounds=self.rounds.rounds,
+                interleaved=True, **job,
             )
-            for mode, elementwise in (("elementwise", True), ("whole tensors", False))
-        }  # fmt: skip
-        record["floor"] = _floor_record(floors, record)
-        return record
+            for tag, c in (("", self.config), (", more buffers", self.more))
+        ]  # fmt: skip
+        return self.trainer(worker, url, jobs)
 
-    builders = {"gather+wire": gather_wire, "wire+transform": wire_transform}
-    return {name: builders[name]() for name in PAIR_NAMES if name in pairs}
+
+def _gather_wire_pair(ctx: _PairRun) -> dict[str, Any]:
+    """A slow gather into a plain worker (the headline's configuration)."""
+    name, settings = ctx.backend.name, ctx.settings
+    worker, url = start_asyncwt_worker(
+        backend=name, log_dir=ctx.log_dir, env=ctx.env, apply_threads=settings.apply_threads,
+        role=f"worker-{name}-pair",
+    )  # fmt: skip
+    with worker:
+        target = settings.gather_x * ctx.calibrate(worker, url)
+        tries: list[dict[str, Any]] = []
+        for attempt in range(1, PAIR_ATTEMPTS + 1):
+            delay, gather_alone = _calibrated_gather(
+                ctx.model, target, ctx.rounds, ctx.plan.total_bytes
+            )
+            ctx.log(
+                f"overlap pair (attempt {attempt}): slow gather ({delay * 1e3:.2f} ms/tensor) -> "
+                f"{name}, interleaved with the wire alone, against {url}"
+            )
+            total, more_total = ctx.together(worker, url, "gather+wire", gather_s_per_tensor=delay)
+            wire_s = total["alone"]["median_s"]
+            tries.append({
+                "delay": delay, "gather_alone": gather_alone, "total": total,
+                "more_total": more_total,
+                "off": _off_balance(gather_alone["median_s"], settings.gather_x * wire_s),
+            })  # fmt: skip
+            if tries[-1]["off"] <= BALANCE_WITHIN:
+                break
+            target = settings.gather_x * wire_s  # the wire the pair just met
+    return _gather_wire_record(ctx, tries)
+
+
+def _gather_wire_record(ctx: _PairRun, tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gather+wire attempt closest to balance, with every attempt and its floors."""
+    kept = min(tries, key=lambda t: float(t["off"]))
+    gather_alone, total, more_total = kept["gather_alone"], kept["total"], kept["more_total"]
+    gather_s, wire_s = gather_alone["median_s"], total["alone"]["median_s"]
+    record = _overlap_record(
+        {"gather": gather_s, "wire": wire_s}, total, more_total, 0,
+        {"gather": gather_s, "wire": more_total["alone"]["median_s"]},
+    )  # fmt: skip
+    record["gather_s_per_tensor"] = kept["delay"]
+    record["attempts"] = _attempts(tries, kept, "gather_s_per_tensor", "delay")
+    floors = gather_wire_floors(ctx.plan, gather_s, wire_s)
+    # What the same work would allow in registration order (LM head last).
+    registration = TransferPlan.build(
+        ModuleSource(ctx.model, layers_last=False).metadata, bucket_bytes=ctx.config.bucket_bytes
+    )
+    floors["bucket, registration order"] = gather_wire_floors(registration, gather_s, wire_s)[
+        "bucket"
+    ]
+    record["floor"] = _floor_record(floors, record)
+    return record
+
+
+def _wire_transform_pair(ctx: _PairRun) -> dict[str, Any]:
+    """A plain source into a worker whose transform the trainer switches."""
+    name, settings = ctx.backend.name, ctx.settings
+    events_path = ctx.log_dir / f"transform-events-{name}-pair.txt"
+    control_path = ctx.log_dir / f"transform-control-{name}-pair.txt"
+    events_path.unlink(missing_ok=True)
+    set_transform_delay(str(control_path), 0.0)  # instant until a slow round
+    switched = TransformConfig(
+        s_per_bucket=0.0, bucket_bytes=ctx.config.bucket_bytes,
+        events_path=str(events_path), control_path=str(control_path),
+    )  # fmt: skip
+    worker, url = _slow_transform_worker(
+        ctx.backend, settings, switched, ctx.log_dir, ctx.env, role=f"worker-{name}-pair-transform"
+    )
+    with worker:
+        aim = ctx.calibrate(worker, url)
+        tries: list[dict[str, Any]] = []
+        for attempt in range(1, PAIR_ATTEMPTS + 1):
+            s_per_bucket = _calibrated_transform_s(settings, aim, ctx.plan, ctx.apply)
+            transform = TransformConfig(
+                s_per_bucket=s_per_bucket, bucket_bytes=ctx.config.bucket_bytes
+            )
+            transform_alone = ctx.apply.alone(transform, ctx.rounds)
+            ctx.log(
+                f"overlap pair (attempt {attempt}): {name} -> slow transform "
+                f"({s_per_bucket * 1e3:.2f} ms/bucket), interleaved with the wire alone, against {url}"
+            )
+            total, more_total = ctx.together(
+                worker, url, "wire+transform", events_path=str(events_path),
+                transform_control=str(control_path), transform_s_per_bucket=s_per_bucket,
+            )  # fmt: skip
+            wire_s, apply_s = total["alone"]["median_s"], transform_alone["median_s"]
+            tries.append({
+                "s_per_bucket": s_per_bucket, "transform_alone": transform_alone, "total": total,
+                "more_total": more_total,
+                "off": _off_balance(apply_s, settings.transform_x * wire_s),
+            })  # fmt: skip
+            if tries[-1]["off"] <= BALANCE_WITHIN:
+                break
+            # Aim at the wire the pair just met, corrected by how far the calibration
+            # itself missed its aim (the apply stage's own costs move with the machine).
+            aim = wire_s + (aim - apply_s / settings.transform_x)
+    return _wire_transform_record(ctx, tries)
+
+
+def _wire_transform_record(ctx: _PairRun, tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The wire+transform attempt closest to balance, with every attempt and its floors."""
+    settings, plan, apply = ctx.settings, ctx.plan, ctx.apply
+    kept = min(tries, key=lambda t: float(t["off"]))
+    s_per_bucket, total, more_total = kept["s_per_bucket"], kept["total"], kept["more_total"]
+    wire_s = total["alone"]["median_s"]
+    apply_s = kept["transform_alone"]["median_s"]
+    record = _overlap_record(
+        {"wire": wire_s, "transform": apply_s}, total, more_total, 0,
+        {"wire": more_total["alone"]["median_s"], "transform": apply_s},
+    )  # fmt: skip
+    record["transform_s_per_bucket"] = s_per_bucket
+    record["attempts"] = _attempts(tries, kept, "transform_s_per_bucket", "s_per_bucket")
+    # Every job costs its bytes at the transform's rate plus the copies' (measured).
+    copy_s_per_bucket = (
+        apply.copies["median_s"] * settings.apply_threads * (plan.bucket_bytes / plan.total_bytes)
+    )
+    floors = {
+        mode: transform_floor(
+            plan,
+            transform_jobs(
+                ctx.model, plan, settings.apply_threads, elementwise=elementwise,
+                in_place=apply.stage.in_place,
+            ),
+            wire_s, s_per_bucket + copy_s_per_bucket, settings.apply_threads,
+        )
+        for mode, elementwise in (("elementwise", True), ("whole tensors", False))
+    }  # fmt: skip
+    record["floor"] = _floor_record(floors, record)
+    return record
 
 
 def _off_balance(stage_s: float, wire_s: float) -> float:
@@ -836,7 +947,7 @@ def _overlap(
     shape: LlamaShape,
     wire: dict[str, Any],
     apply: _ApplyBench,
-    trainer: Callable[[Child, str, list[TrainerJob]], list[dict[str, Any]]],
+    trainer: TrainerRun,
     log: Log,
     log_dir: Path,
     env: dict[str, str],
@@ -851,14 +962,7 @@ def _overlap(
     config = settings.config
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=config.bucket_bytes)
     wire_s = wire["median_s"]
-    if settings.gather_ms_per_tensor is not None:
-        gather_delay = settings.gather_ms_per_tensor / 1000
-    else:
-        gather_delay = settings.gather_x * wire_s / shape.num_tensors
-    if settings.transform_ms_per_bucket is not None:
-        s_per_bucket = settings.transform_ms_per_bucket / 1000
-    else:
-        s_per_bucket = _calibrated_transform_s(settings, wire_s, plan, apply)
+    gather_delay, s_per_bucket = _overlap_delays(settings, shape, wire_s, plan, apply)
     transform = TransformConfig(s_per_bucket=s_per_bucket, bucket_bytes=config.bucket_bytes)
     log(
         f"overlap: gather {gather_delay * 1e3:.2f} ms/tensor, transform {s_per_bucket * 1e3:.2f} ms/bucket "
@@ -910,3 +1014,23 @@ def _overlap(
         "sum_of_stages_s": sum(stages.values()),
         "total_vs_sum": total["median_s"] / sum(stages.values()),
     }
+
+
+def _overlap_delays(
+    settings: BenchSettings,
+    shape: LlamaShape,
+    wire_s: float,
+    plan: TransferPlan,
+    apply: _ApplyBench,
+) -> tuple[float, float]:
+    """The gather's seconds per tensor and the transform's per bucket: fixed if the
+    options say so, else each stage alone calibrated to its multiple of the wire."""
+    if settings.gather_ms_per_tensor is not None:
+        gather_delay = settings.gather_ms_per_tensor / 1000
+    else:
+        gather_delay = settings.gather_x * wire_s / shape.num_tensors
+    if settings.transform_ms_per_bucket is not None:
+        s_per_bucket = settings.transform_ms_per_bucket / 1000
+    else:
+        s_per_bucket = _calibrated_transform_s(settings, wire_s, plan, apply)
+    return gather_delay, s_per_bucket

@@ -9,9 +9,8 @@ A round mixes two kinds of thread work on the same cores:
   for, and that keeps a core busy for milliseconds at a time.
 
 When the copies (and, on one host, the workers' own copies) keep every core busy,
-a woken thread waits in the run queue. Measured on the 2-core benchmark machine over
-shm, the gathering thread waited 25-45 ms per 0.3 s round, against about 2 ms for
-the same gathers alone.
+a woken thread waits in the run queue, and every gather it issues late delays the
+round.
 
 Since Linux 6.12 the EEVDF scheduler takes a per-thread slice request
 (`sched_setattr`'s `sched_runtime` under `SCHED_OTHER`), and a woken thread whose

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._model import MODEL_ENV, LlamaShape
-from .._procs import START_TIMEOUT_S, Child, _drain, _first_line, _popen
+from .._procs import Child, _popen, spawn_bench_worker, worker_url
 from .._util import Rounds
 from .hosts import Cluster, Host, check_support, stale_namespaces
 from .signals import deferred_signals
@@ -223,21 +222,18 @@ def _start_workers(
     """Start `asyncwt worker` in every worker host (all at once), wait until each listens."""
     children: list[Child] = []
     for host in hosts:
-        cmd = host.exec_prefix(env) + [
-            sys.executable, "-m", "asyncwt", "worker",
-            "--model", "asyncwt._bench._model:worker_model",
-            "--host", host.address, "--port", str(WORKER_PORT), "--backend", "tcp",
-        ]  # fmt: skip
-        child = _popen(cmd, f"worker-{host.name}", log_dir, None, subprocess.PIPE)
+        child = spawn_bench_worker(
+            f"worker-{host.name}",
+            log_dir,
+            "--backend",
+            "tcp",
+            host=host.address,
+            port=WORKER_PORT,
+            prefix=host.exec_prefix(env),
+        )
         stack.callback(child.stop)
         children.append(child)
-    urls = []
-    for child, host in zip(children, hosts):
-        line = _first_line(child, START_TIMEOUT_S)
-        if "listening on" not in line:
-            raise child.failure(f"did not announce that it listens; it printed {line!r}")
-        _drain(child)
-        urls.append(f"http://{host.address}:{WORKER_PORT}")
+    urls = [worker_url(child) for child in children]
     return [c.pid for c in children], urls
 
 
