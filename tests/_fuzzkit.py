@@ -30,9 +30,9 @@ from asyncwt import (
     ProtocolError,
     TransferError,
     TransferPlan,
-    _link,
-    _sockio,
 )
+from asyncwt._transports import link as _link
+from asyncwt._transports import sockio as _sockio
 from asyncwt._transports.link import LinkSettings, Peer, TrainerLinks, WorkerLink
 from asyncwt._transports.shm.ring import RingReceiver
 from asyncwt._transports.tcp.settings import TcpWorkerInitInfo

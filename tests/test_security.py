@@ -153,7 +153,8 @@ async def test_every_trainer_listener_binds_loopback_by_default(backend: str) ->
 def test_the_worker_server_binds_loopback_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     import inspect
 
-    from asyncwt import _cli, _server
+    from asyncwt._cli import main as _cli
+    from asyncwt._worker import server as _server
 
     assert inspect.signature(_server.serve).parameters["host"].default == "127.0.0.1"
     with pytest.raises(SystemExit):

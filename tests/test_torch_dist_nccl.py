@@ -11,9 +11,10 @@ import _models
 import pytest
 import torch
 
-from asyncwt import ControlPlaneError, HttpClient, ModuleSource, _torch_dist, trainer_init
+from asyncwt import ControlPlaneError, HttpClient, ModuleSource, trainer_init
 from asyncwt._cli.launch import worker_process
 from asyncwt._core.plan import TransferPlan
+from asyncwt._transports import torch_dist as _torch_dist
 from asyncwt._transports.torch_dist import (
     TorchDistTrainerInitInfo,
     TorchDistWorkerInitInfo,
