@@ -38,7 +38,7 @@ from .._worker.engine import DeferredWorkerEngine
 from .base import ReceiverTransport, SenderTransport
 from .shm.ring import RingReceiver, RingSender
 from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
-from .torch_dist import gpu_uuid
+from .torch_dist import check_gpu_uuid, gpu_uuid
 
 __all__ = [
     "CudaIpcTrainerEngine",
@@ -133,12 +133,7 @@ class CudaIpcWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.ipc_gpu is not None and (
-            not isinstance(self.ipc_gpu, str) or not 0 < len(self.ipc_gpu) <= 64
-        ):
-            raise ValueError(
-                f"ipc_gpu should be None or a GPU UUID of 1-64 characters, got {self.ipc_gpu!r}"
-            )
+        check_gpu_uuid("ipc_gpu", self.ipc_gpu)
         if not isinstance(self.ipc_buffers, list) or len(self.ipc_buffers) != self.num_buffers:
             raise ValueError(
                 f"ipc_buffers should hold num_buffers ({self.num_buffers}) handles, "

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .._core.errors import TransferAbortedError, TransferError, TransferTimeoutError
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._core.settings import check_positive
+from .._core.validate import check_int_in, check_port, check_positive, check_str
 from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
 from .._trainer.lanes import staging_buffer, wait_for_stream
@@ -126,6 +126,12 @@ def gpu_uuid(device: torch.device) -> str | None:
         return str(torch.cuda.get_device_properties(device).uuid)
     except (AttributeError, RuntimeError, AssertionError):
         return None
+
+
+def check_gpu_uuid(name: str, value: object) -> None:
+    """`value` is `None` or what `gpu_uuid` returns: a str of 1-64 characters."""
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
+        raise ValueError(f"{name} should be None or a GPU UUID of 1-64 characters, got {value!r}")
 
 
 def _group_backend(device: torch.device) -> str:
@@ -326,6 +332,7 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("num_workers", self.num_workers)
+        check_port("store_port", self.store_port, allow_zero=True)
         if self.group_backend is not None and self.group_backend not in _PG_BACKENDS:
             raise ValueError(
                 f"group_backend should be one of {_PG_BACKENDS} or None, got {self.group_backend!r}"
@@ -348,18 +355,10 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_positive("store_port", self.store_port)
-        if self.trainer_gpu is not None and (
-            not isinstance(self.trainer_gpu, str) or not 0 < len(self.trainer_gpu) <= 64
-        ):
-            raise ValueError(
-                f"trainer_gpu should be None or a GPU UUID of 1-64 characters, got {self.trainer_gpu!r}"
-            )
-        check_positive("world_size", self.world_size)
-        if self.world_size < 2:
-            raise ValueError(f"world_size should be >= 2, got {self.world_size}")
-        if not isinstance(self.group_key, str) or len(self.group_key) != 32:
-            raise ValueError(f"group_key should be a 32-character str, got {self.group_key!r}")
+        check_port("store_port", self.store_port)
+        check_gpu_uuid("trainer_gpu", self.trainer_gpu)
+        check_int_in("world_size", self.world_size, 2)
+        check_str("group_key", self.group_key, min_chars=32, max_chars=32)
         if self.group_backend not in _PG_BACKENDS:
             raise ValueError(
                 f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}"

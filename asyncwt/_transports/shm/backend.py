@@ -32,6 +32,7 @@ import torch
 
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
+from ..._core.validate import check_bool, check_u64
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..._trainer.pipeline import Segment
@@ -74,8 +75,7 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.direct_reads, bool):
-            raise ValueError(f"direct_reads should be a bool, got {self.direct_reads!r}")
+        check_bool("direct_reads", self.direct_reads)
 
 
 @dataclass
@@ -93,10 +93,8 @@ class ShmWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("trainer_pid", "probe_address"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
-                raise ValueError(f"{name} should be an int in [0, 2**64), got {value!r}")
+        check_u64("trainer_pid", self.trainer_pid)
+        check_u64("probe_address", self.probe_address)
         nonce = self.probe_nonce
         if self.trainer_pid and (
             not isinstance(nonce, str)

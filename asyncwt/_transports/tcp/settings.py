@@ -6,14 +6,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..._core.settings import (
-    PipelineSettings,
-    RoundUpdateInfo,
-    WorkerPlanInfo,
-    check_host,
-    check_positive,
-    check_timeout,
-)
+from ..._core.settings import PipelineSettings, RoundUpdateInfo, WorkerPlanInfo
+from ..._core.validate import check_host, check_port, check_positive, check_str, check_timeout
 from ..._trainer.base import TrainerInitInfo
 from ..link import LinkSettings
 
@@ -50,16 +44,10 @@ class LinkedTrainerInfo(PipelineSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_host("host", self.host)
-        if (
-            not isinstance(self.port, int)
-            or isinstance(self.port, bool)
-            or not 0 <= self.port < 65536
-        ):
-            raise ValueError(f"port should be an int in [0, 65535], got {self.port!r}")
-        if not isinstance(self.token, str) or len(self.token) < 16:
-            raise ValueError(
-                f"token should be a str of at least 16 characters, got {len(str(self.token))} characters"
-            )
+        check_port("port", self.port, allow_zero=True)
+        if self.advertise_host is not None:
+            check_host("advertise_host", self.advertise_host)
+        check_str("token", self.token, min_chars=16, secret=True)
         check_positive("max_workers", self.max_workers)
         check_positive("max_pending_handshakes", self.max_pending_handshakes)
         check_timeout("handshake_timeout", self.handshake_timeout)
@@ -98,11 +86,5 @@ class TcpWorkerInitInfo(WorkerPlanInfo):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_host("host", self.host)
-        if (
-            not isinstance(self.port, int)
-            or isinstance(self.port, bool)
-            or not 0 < self.port < 65536
-        ):
-            raise ValueError(f"port should be an int in [1, 65535], got {self.port!r}")
-        if not isinstance(self.token, str) or not self.token:
-            raise ValueError("token should be a non-empty str")
+        check_port("port", self.port)
+        check_str("token", self.token, min_chars=1, secret=True)
