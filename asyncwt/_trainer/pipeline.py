@@ -27,9 +27,8 @@ import collections
 import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
 
 import anyio
 import anyio.to_thread
@@ -42,57 +41,15 @@ from .._core.plan import Bucket, Slice, TransferPlan
 from .._core.sched import bulk_work, prompt_wakeups
 from .._core.source import WeightSource
 from .._core.stats import StageClock
+from .._transports.base import Segment, SenderTransport, Settle
 from .lanes import DeviceLane, LaneEvent, staging_buffer
 
 __all__ = [
-    "BucketSink",
     "PipelineConfig",
-    "Segment",
-    "Settle",
     "StagingPool",
     "iterate_and_check",
     "run_pipeline",
 ]
-
-Segment = torch.Tensor
-"""A byte range of a bucket's payload: a 1-D uint8 view of a source tensor or of a
-staging buffer, on the host or on a device. Sinks that write to sockets take
-`byte_view(segment)` (host segments only); device sinks use the tensor itself."""
-
-Settle = Callable[[], Awaitable[None]]
-"""What `send_bucket` returns for a bucket it left in flight: awaiting it returns
-once nothing reads the bucket's segments any more, and raises if delivery failed."""
-
-
-class BucketSink(Protocol):
-    """Where the send stage delivers buckets: a transport's sending side."""
-
-    min_view_bytes: int | None
-    """Slices at least this long may be segments that point into the source's own
-    CPU tensors (scatter-gather sends); shorter ones, and every slice when `None`,
-    are packed into `staging(slot)` or the pool. Read once the round is open."""
-
-    def staging(self, slot: int) -> torch.Tensor | None:
-        """The transport's own buffer for `slot` (e.g. shared memory), or `None` to
-        pack into the pipeline's pool."""
-        ...
-
-    async def reclaim(self, slot: int) -> None:
-        """Wait until `staging(slot)` may be overwritten (every reader released it)."""
-        ...
-
-    in_flight_buckets: int
-    """How many buckets may be in flight at once (see `send_bucket`); 1 for a sink
-    whose `send_bucket` always returns `None`."""
-
-    async def send_bucket(
-        self, bucket: Bucket, slot: int, segments: list[Segment]
-    ) -> Settle | None:
-        """Deliver `bucket`'s payload, one segment per slice. `None`: the segments
-        may be reused now. A `Settle`: they stay valid (their slot held, their
-        tensors alive) until it returns; the pipeline awaits it before more than
-        `in_flight_buckets` are out."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,7 +314,7 @@ async def _pack(
     outbox: MemoryObjectSendStream[_Packed],
     free_slots: MemoryObjectReceiveStream[int],
     pool: StagingPool,
-    sink: BucketSink,
+    sink: SenderTransport,
     lane: DeviceLane,
     zero_copy: bool,
     clock: StageClock,
@@ -379,7 +336,7 @@ async def _pack_each(
     outbox: MemoryObjectSendStream[_Packed],
     free_slots: MemoryObjectReceiveStream[int],
     pool: StagingPool,
-    sink: BucketSink,
+    sink: SenderTransport,
     lane: DeviceLane,
     min_view: int | None,
     clock: StageClock,
@@ -422,7 +379,7 @@ async def _pack_each(
 async def _send(
     inbox: MemoryObjectReceiveStream[_Packed],
     release: MemoryObjectSendStream[int],
-    sink: BucketSink,
+    sink: SenderTransport,
     clock: StageClock,
     window: int,
 ) -> int:
@@ -473,7 +430,7 @@ async def _send(
 async def run_pipeline(
     plan: TransferPlan,
     source: WeightSource,
-    sink: BucketSink,
+    sink: SenderTransport,
     *,
     pool: StagingPool,
     iterate_lane: DeviceLane,

@@ -49,10 +49,16 @@ from .._core.validate import check_int_in, check_port, check_positive, check_str
 from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
 from .._trainer.lanes import staging_buffer, wait_for_stream
-from .._trainer.pipeline import Segment, Settle
-from .._worker.applier import ModelTarget
 from .._worker.engine import DeferredWorkerEngine, ReceivePool
-from .base import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
+from .base import (
+    InitWorkers,
+    LandingTarget,
+    ReceivedBucket,
+    ReceiverTransport,
+    Segment,
+    SenderTransport,
+    Settle,
+)
 from .link import LinkedSender, WorkerLink, connect_link
 from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from .wire import Frame, FrameKind
@@ -570,7 +576,7 @@ class _Incoming:
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
-    def finish(self, target: ModelTarget) -> None:
+    def finish(self, target: LandingTarget) -> None:
         """Wait for the broadcasts, then copy the short direct slices into place."""
         _wait_all(self.works, self.side)
         for s in self.copied_out:
@@ -653,7 +659,7 @@ class TorchDistReceiver(ReceiverTransport):
     def usable(self) -> bool:
         return self.link is not None and not self.link.broken and self.store is not None
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
         try:
@@ -669,7 +675,7 @@ class TorchDistReceiver(ReceiverTransport):
             raise
 
     def _receive(
-        self, link: WorkerLink, round_id: int, target: ModelTarget
+        self, link: WorkerLink, round_id: int, target: LandingTarget
     ) -> Iterator[ReceivedBucket]:
         """Start each bucket's broadcasts as its header arrives, up to
         `IN_FLIGHT_BUCKETS` at once (as the trainer sends them), and yield each
@@ -745,7 +751,7 @@ class TorchDistReceiver(ReceiverTransport):
         bucket: Bucket,
         buffer: torch.Tensor,
         release: Callable[[], None],
-        target: ModelTarget,
+        target: LandingTarget,
     ) -> _Incoming:
         """Start receiving `bucket`'s broadcasts: a parameter the model takes as it is
         gets its bytes in place (a long slice directly, a short one copied out of

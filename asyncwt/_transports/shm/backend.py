@@ -35,10 +35,8 @@ from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import check_bool, check_u64
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
-from ..._trainer.pipeline import Segment
-from ..._worker.applier import ModelTarget
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import ReceivedBucket, ReceiverTransport, SenderTransport
+from ..base import LandingTarget, ReceivedBucket, ReceiverTransport, Segment, SenderTransport
 from ..link import Peer
 from ..sockio import recv_exact
 from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
@@ -308,7 +306,7 @@ class ShmReceiver(RingReceiver):
             buffers.append(_view(segment, self.plan.bucket_bytes))
         return buffers
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         if not self.reads_directly:
             yield from super().receive_round(round_id, target)
             return

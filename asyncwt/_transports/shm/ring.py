@@ -18,9 +18,7 @@ import torch
 
 from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
-from ..._trainer.pipeline import Segment
-from ..._worker.applier import ModelTarget
-from ..base import InitWorkers, ReceivedBucket, ReceiverTransport
+from ..base import InitWorkers, LandingTarget, ReceivedBucket, ReceiverTransport, Segment
 from ..link import LinkedSender, Peer, WorkerLink, connect_link
 from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from ..wire import Frame, FrameKind
@@ -150,7 +148,7 @@ class RingReceiver(ReceiverTransport):
     def usable(self) -> bool:
         return self.link is not None and not self.link.broken
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
         with link.guard(round_id):
