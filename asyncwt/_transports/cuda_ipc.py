@@ -36,8 +36,8 @@ from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
 from .._worker.engine import DeferredWorkerEngine
 from .base import ReceiverTransport, SenderTransport
+from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .shm.ring import RingReceiver, RingSender
-from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from .torch_dist import check_gpu_uuid, gpu_uuid
 
 __all__ = [
@@ -124,7 +124,7 @@ class CudaIpcTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
 
 @dataclass
-class CudaIpcWorkerInitInfo(TcpWorkerInitInfo):
+class CudaIpcWorkerInitInfo(LinkedWorkerInfo):
     """What a `"cuda_ipc"` worker receives: the link, and one IPC handle per ring slot."""
 
     ipc_buffers: list[dict[str, Any]] = field(default_factory=list)

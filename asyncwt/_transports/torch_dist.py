@@ -60,7 +60,7 @@ from .base import (
     Settle,
 )
 from .link import LinkedSender, WorkerLink, connect_link
-from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .wire import Frame, FrameKind
 
 __all__ = [
@@ -346,7 +346,7 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
 
 @dataclass
-class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
+class TorchDistWorkerInitInfo(LinkedWorkerInfo):
     """What a `"torch_dist"` worker receives: the link, and how to join the group."""
 
     store_port: int = 0

@@ -38,8 +38,8 @@ from ..._trainer.engine import PipelinedTrainerEngine
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
 from ..base import LandingTarget, ReceivedBucket, ReceiverTransport, Segment, SenderTransport
 from ..link import Peer
+from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..sockio import recv_exact
-from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from ..wire import Frame, FrameKind
 from . import cma as _cma
 from .ring import RingReceiver, RingSender
@@ -77,7 +77,7 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
 
 @dataclass
-class ShmWorkerInitInfo(TcpWorkerInitInfo):
+class ShmWorkerInitInfo(LinkedWorkerInfo):
     """What a `"shm"` worker receives: the link's address and token, the segments,
     and (when the trainer offers direct reads) its pid and read probe."""
 

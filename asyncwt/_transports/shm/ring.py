@@ -20,7 +20,7 @@ from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
 from ..base import InitWorkers, LandingTarget, ReceivedBucket, ReceiverTransport, Segment
 from ..link import LinkedSender, Peer, WorkerLink, connect_link
-from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..wire import Frame, FrameKind
 
 __all__ = ["RingReceiver", "RingSender"]
@@ -115,7 +115,7 @@ class RingReceiver(ReceiverTransport):
     reads_directly = False
     """Whether buckets come as addresses in the trainer's memory (see `_shm`)."""
 
-    def __init__(self, info: TcpWorkerInitInfo, plan: TransferPlan) -> None:
+    def __init__(self, info: LinkedWorkerInfo, plan: TransferPlan) -> None:
         self.info = info
         self.plan = plan
         self.link: WorkerLink | None = None
