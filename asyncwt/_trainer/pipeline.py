@@ -60,8 +60,9 @@ class PipelineConfig:
     """Buckets in flight between pack and send (each may hold one staging buffer)."""
     zero_copy: bool = True
     """Send contiguous CPU tensors in place instead of packing them."""
-    queue_depth: int = 4
-    """Buckets the iterate stage may run ahead of the pack stage."""
+    read_ahead: int = 4
+    """Buckets the iterate stage may run ahead of the pack stage
+    (`PipelineSettings.read_ahead`)."""
 
 
 class StagingPool:
@@ -89,18 +90,20 @@ class _Handoff:
 
     `from_thread.run(stream.send, work)` holds the thread until the event loop runs
     the call, and a loop busy pushing a large bucket into a socket answers late: a
-    gathering source would stall for nothing (measured: 50-70 ms of a 0.4 s round).
-    Here the thread waits only for room (at most `depth` buckets handed out and not
-    yet taken by the pack stage) and queues the delivery on the loop, which runs
+    gathering source would stall for nothing. Here the thread waits only for room
+    (at most `read_ahead` buckets handed out and not yet taken by the pack stage) and queues the delivery on the loop, which runs
     such callbacks in order, and before it learns that the thread has returned.
     """
 
     def __init__(
-        self, stream: MemoryObjectSendStream[_Work], depth: int, loop: asyncio.AbstractEventLoop
+        self,
+        stream: MemoryObjectSendStream[_Work],
+        read_ahead: int,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._stream = stream
         self._loop = loop
-        self._room = threading.Semaphore(depth)
+        self._room = threading.Semaphore(read_ahead)
         self._closed = threading.Event()
 
     def put(self, work: _Work, stop: threading.Event) -> bool:
@@ -446,20 +449,20 @@ async def run_pipeline(
 
     With `opened`, the source is iterated at once but the sink is used only once the
     event is set: the caller opens the round on the transport meanwhile, and the
-    first gathers (at most `queue_depth` buckets of them) overlap that round trip.
+    first gathers (at most `read_ahead` buckets of them) overlap that round trip.
 
     Cancellation: every stage stops; the iterate thread stops at its next yield (a
     running collective finishes first); buckets already handed to the sink are
     the sink's business (the caller aborts the round on the transport).
     """
     clocks = {name: StageClock() for name in ("iterate", "pack", "send")}
-    work_send, work_recv = anyio.create_memory_object_stream[_Work](config.queue_depth)
+    work_send, work_recv = anyio.create_memory_object_stream[_Work](config.read_ahead)
     packed_send, packed_recv = anyio.create_memory_object_stream[_Packed](config.num_buffers)
     slot_send, slot_recv = anyio.create_memory_object_stream[int](config.num_buffers)
     for slot in range(config.num_buffers):
         slot_send.send_nowait(slot)
     stop = threading.Event()
-    handoff = _Handoff(work_send, config.queue_depth, asyncio.get_running_loop())
+    handoff = _Handoff(work_send, config.read_ahead, asyncio.get_running_loop())
 
     async def iterate() -> None:
         async with work_send:
