@@ -49,13 +49,23 @@ from ._registry import trainer_init as trainer_init
 from ._trainer.base import TrainerInitInfo as TrainerInitInfo
 from ._trainer.base import TrainerWeightTransferEngine as TrainerWeightTransferEngine
 from ._trainer.blocking import SyncTrainerEngine as SyncTrainerEngine
+from ._transports.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
+from ._transports.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
+from ._transports.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
+from ._transports.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
+from ._transports.shm.backend import ShmTrainerEngine as ShmTrainerEngine
 from ._transports.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
+from ._transports.shm.backend import ShmWorkerEngine as ShmWorkerEngine
+from ._transports.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
 from ._transports.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
 from ._transports.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
 from ._transports.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
 from ._transports.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
 from ._transports.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
+from ._transports.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
 from ._transports.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
+from ._transports.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
+from ._transports.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
 from ._worker.base import WeightTransferConfig as WeightTransferConfig
 from ._worker.base import WeightTransferEngine as WeightTransferEngine
 from ._worker.base import WeightTransferInitInfo as WeightTransferInitInfo
@@ -71,6 +81,10 @@ __all__ = [
     "AsyncwtError",
     "AuthenticationError",
     "ControlPlaneError",
+    "CudaIpcTrainerEngine",
+    "CudaIpcTrainerInitInfo",
+    "CudaIpcWorkerEngine",
+    "CudaIpcWorkerInitInfo",
     "HttpClient",
     "LocalClient",
     "ModuleSource",
@@ -83,7 +97,10 @@ __all__ = [
     "RoundStats",
     "RoundUpdateInfo",
     "Shard",
+    "ShmTrainerEngine",
     "ShmTrainerInitInfo",
+    "ShmWorkerEngine",
+    "ShmWorkerInitInfo",
     "SourceMismatchError",
     "StaleRoundError",
     "SyncTrainerEngine",
@@ -92,7 +109,10 @@ __all__ = [
     "TcpUpdateInfo",
     "TcpWorkerEngine",
     "TcpWorkerInitInfo",
+    "TorchDistTrainerEngine",
     "TorchDistTrainerInitInfo",
+    "TorchDistWorkerEngine",
+    "TorchDistWorkerInitInfo",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "TransferAbortedError",
