@@ -4,6 +4,9 @@ The public surface is vLLM's weight-transfer interface, asyncio-native on the tr
 side. Everything public is re-exported here; implementation lives in private modules.
 """
 
+import inspect as _inspect
+import types as _types
+import typing as _typing
 import warnings as _warnings
 
 with _warnings.catch_warnings():
@@ -137,3 +140,26 @@ __all__ = [
     "registered_backends",
     "trainer_init",
 ]
+
+
+def _publish(obj: object) -> None:
+    """Make `obj` report the path users import (anyio does the same), so reprs,
+    tracebacks and the API reference say `asyncwt.X`, not the private module that
+    defines it. Type aliases (`Placement`, say) have no module of their own.
+
+    `typing.get_type_hints` reads a class's string annotations in the namespace of
+    its `__module__`: a class's own annotations are resolved first, in the module
+    that wrote them, so that tools that read them (config parsers) keep working.
+    """
+    if isinstance(obj, type):
+        own = _inspect.get_annotations(obj)
+        if own:
+            hints = _typing.get_type_hints(obj, include_extras=True)
+            obj.__annotations__ = {name: hints.get(name, value) for name, value in own.items()}
+    if isinstance(obj, (type, _types.FunctionType)):
+        obj.__module__ = __name__
+
+
+for _name in __all__:
+    _publish(globals()[_name])
+del _name, _publish
