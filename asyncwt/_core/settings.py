@@ -1,4 +1,4 @@
-"""Init and update infos shared by every pipelined backend (tcp, shm, torch_dist)."""
+"""Init and update infos shared by every pipelined backend (all the built-in ones)."""
 
 from __future__ import annotations
 
@@ -67,9 +67,7 @@ class PipelineSettings:
     read_ahead: int = 4
     """Buckets the source may be iterated ahead of the pack stage. A gathering source
     (FSDP2) keeps about `num_buffers + read_ahead + 2` buckets of gathered tensors
-    alive on rank 0; fewer makes a slow gather stall sooner behind the wire (on the
-    benchmark's two equal stages over tcp, 2 measured 1.16-1.20x the slower stage
-    alone and 4 measured 1.10-1.12x)."""
+    alive on rank 0; fewer makes a slow gather stall sooner behind the wire."""
     device: str | None = None
     """Device for lanes and staging. `None` follows the source's tensors (a CPU model
     stays on the CPU, and a torch_dist trainer on gloo, even on a GPU host); a bare

@@ -1,7 +1,8 @@
-"""The `"cuda_ipc"` backend: the bucket ring (see `_ring`) in GPU memory, one node.
+"""The `"cuda_ipc"` backend: the bucket ring in GPU memory, one node.
 
-The trainer allocates `num_buffers` bucket buffers on its GPU and exports their
-CUDA IPC handles at init; each worker maps them once (no per-bucket re-import).
+The ring is `asyncwt._transports.shm.ring`'s. The trainer allocates `num_buffers`
+bucket buffers on its GPU and exports their CUDA IPC handles at init; each worker
+maps them once (no per-bucket re-import).
 Buckets are packed on the pack lane's stream; the send stage waits for that
 stream's event before announcing a slot, and a worker releases a slot only after
 its own stream finished reading it, so a slot is reused only after every reader

@@ -8,7 +8,7 @@ itself, where it takes the bytes as they are), then acknowledges the bucket. One
 copy per byte, where a ring costs two on the same cores.
 
 Every other worker, or every worker when the trainer sets `direct_reads=False`,
-uses the bucket ring (see `_ring`) in shared memory. Segments are created with
+uses the bucket ring (see `asyncwt._transports.shm.ring`) in shared memory. Segments are created with
 owner-only permissions and unlinked as soon as every worker has mapped them, so
 nothing is left in `/dev/shm` even if both sides are killed; the mappings live
 until each side closes them. If one worker of a round reads from the ring, every

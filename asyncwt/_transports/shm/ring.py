@@ -113,7 +113,7 @@ class RingReceiver(ReceiverTransport):
 
     lands_in_place = False
     reads_directly = False
-    """Whether buckets come as addresses in the trainer's memory (see `_shm`)."""
+    """Whether buckets come as addresses in the trainer's memory (see `asyncwt._transports.shm.backend`)."""
 
     def __init__(self, info: LinkedWorkerInfo, plan: TransferPlan) -> None:
         self.info = info
