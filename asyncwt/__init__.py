@@ -4,6 +4,9 @@ The public surface is vLLM's weight-transfer interface, asyncio-native on the tr
 side. Everything public is re-exported here; implementation lives in private modules.
 """
 
+import inspect as _inspect
+import types as _types
+import typing as _typing
 import warnings as _warnings
 
 with _warnings.catch_warnings():
@@ -50,19 +53,31 @@ from ._registry import trainer_init as trainer_init
 from ._trainer.base import TrainerInitInfo as TrainerInitInfo
 from ._trainer.base import TrainerWeightTransferEngine as TrainerWeightTransferEngine
 from ._trainer.blocking import SyncTrainerEngine as SyncTrainerEngine
+from ._transports.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
+from ._transports.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
+from ._transports.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
+from ._transports.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
+from ._transports.shm.backend import ShmTrainerEngine as ShmTrainerEngine
 from ._transports.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
+from ._transports.shm.backend import ShmWorkerEngine as ShmWorkerEngine
+from ._transports.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
 from ._transports.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
 from ._transports.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
 from ._transports.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
 from ._transports.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
 from ._transports.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
+from ._transports.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
 from ._transports.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
+from ._transports.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
+from ._transports.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
 from ._worker.base import WeightTransferConfig as WeightTransferConfig
 from ._worker.base import WeightTransferEngine as WeightTransferEngine
 from ._worker.base import WeightTransferInitInfo as WeightTransferInitInfo
 from ._worker.base import WeightTransferInitRequest as WeightTransferInitRequest
 from ._worker.base import WeightTransferUpdateInfo as WeightTransferUpdateInfo
 from ._worker.base import WeightTransferUpdateRequest as WeightTransferUpdateRequest
+from ._worker.ray_actor import WorkerActor as WorkerActor
+from ._worker.ray_actor import worker_actor as worker_actor
 
 __version__ = "0.1.0"
 
@@ -72,6 +87,10 @@ __all__ = [
     "AsyncwtError",
     "AuthenticationError",
     "ControlPlaneError",
+    "CudaIpcTrainerEngine",
+    "CudaIpcTrainerInitInfo",
+    "CudaIpcWorkerEngine",
+    "CudaIpcWorkerInitInfo",
     "HttpClient",
     "LocalClient",
     "ModuleSource",
@@ -85,7 +104,10 @@ __all__ = [
     "RoundStats",
     "RoundUpdateInfo",
     "Shard",
+    "ShmTrainerEngine",
     "ShmTrainerInitInfo",
+    "ShmWorkerEngine",
+    "ShmWorkerInitInfo",
     "SourceMismatchError",
     "StaleRoundError",
     "SyncTrainerEngine",
@@ -94,7 +116,10 @@ __all__ = [
     "TcpUpdateInfo",
     "TcpWorkerEngine",
     "TcpWorkerInitInfo",
+    "TorchDistTrainerEngine",
     "TorchDistTrainerInitInfo",
+    "TorchDistWorkerEngine",
+    "TorchDistWorkerInitInfo",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "TransferAbortedError",
@@ -110,6 +135,7 @@ __all__ = [
     "WeightTransferUpdateInfo",
     "WeightTransferUpdatePayload",
     "WeightTransferUpdateRequest",
+    "WorkerActor",
     "create_worker_engine",
     "layerwise_groups",
     "materialize_full_tensor",
@@ -118,4 +144,28 @@ __all__ = [
     "register_worker_engine",
     "registered_backends",
     "trainer_init",
+    "worker_actor",
 ]
+
+
+def _publish(obj: object) -> None:
+    """Make `obj` report the path users import (anyio does the same), so reprs,
+    tracebacks and the API reference say `asyncwt.X`, not the private module that
+    defines it. Type aliases (`Placement`, say) have no module of their own.
+
+    `typing.get_type_hints` reads a class's string annotations in the namespace of
+    its `__module__`: a class's own annotations are resolved first, in the module
+    that wrote them, so that tools that read them (config parsers) keep working.
+    """
+    if isinstance(obj, type):
+        own = _inspect.get_annotations(obj)
+        if own:
+            hints = _typing.get_type_hints(obj, include_extras=True)
+            obj.__annotations__ = {name: hints.get(name, value) for name, value in own.items()}
+    if isinstance(obj, (type, _types.FunctionType)):
+        obj.__module__ = __name__
+
+
+for _name in __all__:
+    _publish(globals()[_name])
+del _name, _publish

@@ -10,6 +10,7 @@ import torch
 from ._control.protocol import AnyWeightSyncClient
 from ._core.device import resolve_device
 from ._core.source import WeightSource
+from ._core.validate import check_str
 from ._trainer.base import TrainerInitInfo, TrainerWeightTransferEngine
 from ._worker.base import WeightTransferConfig, WeightTransferEngine
 
@@ -29,8 +30,7 @@ _WORKER_ENGINES: dict[str, type[WeightTransferEngine[Any, Any]]] = {}
 
 
 def _register(registry: dict[str, Any], kind: str, backend: str, cls: type) -> None:
-    if not isinstance(backend, str) or not backend:
-        raise ValueError(f"backend should be a non-empty str, got {backend!r}")
+    check_str("backend", backend, min_chars=1)
     if backend in registry:
         raise ValueError(
             f"{kind} engine backend {backend!r} is already registered "

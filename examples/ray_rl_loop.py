@@ -25,10 +25,10 @@ from asyncwt import (
     ModuleSource,
     RayClient,
     TcpTrainerInitInfo,
+    WorkerActor,
     model_checksum,
     trainer_init,
 )
-from asyncwt._worker.ray_actor import WorkerActor
 
 
 def make_model() -> torch.nn.Module:

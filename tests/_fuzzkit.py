@@ -28,6 +28,7 @@ from asyncwt import (
     ModuleSource,
     PlanMismatchError,
     ProtocolError,
+    TcpWorkerInitInfo,
     TransferError,
     TransferPlan,
 )
@@ -35,7 +36,6 @@ from asyncwt._transports import link as _link
 from asyncwt._transports import sockio as _sockio
 from asyncwt._transports.link import LinkSettings, Peer, TrainerLinks, WorkerLink
 from asyncwt._transports.shm.ring import RingReceiver
-from asyncwt._transports.tcp.settings import TcpWorkerInitInfo
 from asyncwt._transports.tcp.worker import TcpReceiver
 from asyncwt._transports.wire import HELLO_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget

@@ -36,6 +36,7 @@ from asyncwt import (
     HttpClient,
     ModuleSource,
     SourceMismatchError,
+    TcpWorkerInitInfo,
     TrainerInitInfo,
     trainer_init,
 )
@@ -44,7 +45,6 @@ from asyncwt._core import sched as _sched
 from asyncwt._core.plan import TransferPlan
 from asyncwt._core.sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
 from asyncwt._trainer import pipeline as _pipeline
-from asyncwt._transports.tcp.settings import TcpWorkerInitInfo
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncwt import (
+    CudaIpcTrainerInitInfo,
     HttpClient,
     ModuleSource,
     WeightTransferConfig,
@@ -37,8 +38,6 @@ def test_cuda_ipc_is_absent_without_cuda_and_says_why() -> None:
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_cuda_ipc_rounds_are_bit_exact(workers: int) -> None:
-    from asyncwt._transports.cuda_ipc import CudaIpcTrainerInitInfo
-
     env = dict(os.environ, PYTHONPATH=str(TESTS))
     urls = []
     stack = []

@@ -52,7 +52,6 @@ def test_examples_use_only_public_names() -> None:
     allowed_private = {
         "asyncwt._cli.launch",  # worker_process: starts `asyncwt worker`
         "asyncwt._worker.server",  # build_app: the worker server, for extra routes
-        "asyncwt._worker.ray_actor",  # WorkerActor: the worker engine in a Ray actor
     }
     for path in EXAMPLES.glob("*.py"):
         for module in re.findall(r"^\s*from (asyncwt\.\w+) import", path.read_text(), re.MULTILINE):

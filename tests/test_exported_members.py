@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import typing
 
 import pytest
 
@@ -80,6 +81,29 @@ def test_type_aliases_are_the_only_objects_without_an_asyncwt_module() -> None:
     aliases = sorted(name for name in asyncwt.__all__ if _is_type_alias(getattr(asyncwt, name)))
 
     assert aliases == ["Placement", "WeightTransferUpdatePayload"]
+
+
+_DEFINED = [name for name in asyncwt.__all__ if not _is_type_alias(getattr(asyncwt, name))]
+
+
+@pytest.mark.parametrize("name", _DEFINED)
+def test_every_public_object_reports_asyncwt_as_its_module(name: str) -> None:
+    obj = getattr(asyncwt, name)
+
+    assert obj.__module__ == "asyncwt"
+    assert getattr(asyncwt, obj.__qualname__) is obj  # `asyncwt.<qualname>` finds it
+
+
+@pytest.mark.parametrize("name", _DEFINED)
+def test_every_public_objects_type_hints_still_resolve(name: str) -> None:
+    """`typing.get_type_hints` reads a class's annotations in its `__module__`'s
+    namespace: moving the module to `asyncwt` must not leave them unresolvable."""
+    typing.get_type_hints(getattr(asyncwt, name))
+
+
+def test_a_public_class_shows_its_public_path() -> None:
+    assert repr(asyncwt.TcpTrainerEngine) == "<class 'asyncwt.TcpTrainerEngine'>"
+    assert repr(asyncwt.TransferError("x").__class__) == "<class 'asyncwt.TransferError'>"
 
 
 @pytest.mark.parametrize("name", _REQUIRED)

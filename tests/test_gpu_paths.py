@@ -22,14 +22,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncwt import ModuleSource, SyncTrainerEngine, TcpTrainerInitInfo, trainer_init
+from asyncwt import (
+    ModuleSource,
+    SyncTrainerEngine,
+    TcpTrainerInitInfo,
+    TorchDistTrainerInitInfo,
+    trainer_init,
+)
 from asyncwt._core.device import resolve_device
 from asyncwt._core.errors import TransferError
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._trainer.lanes import DeviceLane, LaneEvent
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
 from asyncwt._transports import cuda_ipc, torch_dist
-from asyncwt._transports.torch_dist import TorchDistSender, TorchDistTrainerInitInfo
+from asyncwt._transports.torch_dist import TorchDistSender
 
 BUCKET_BYTES = 4096
 

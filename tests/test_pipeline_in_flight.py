@@ -15,7 +15,8 @@ from asyncwt._core.bytes import byte_view
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._core.source import ModuleSource
 from asyncwt._trainer.lanes import DeviceLane
-from asyncwt._trainer.pipeline import PipelineConfig, Settle, StagingPool, run_pipeline
+from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
+from asyncwt._transports.base import Settle
 
 pytestmark = pytest.mark.asyncio
 

@@ -24,17 +24,20 @@ import torch
 from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
 from _fuzzkit import trainer_links
 
-from asyncwt import HttpClient, ModuleSource, ProtocolError, TransferError, trainer_init
+from asyncwt import (
+    HttpClient,
+    ModuleSource,
+    ProtocolError,
+    ShmTrainerInitInfo,
+    ShmWorkerInitInfo,
+    TransferError,
+    trainer_init,
+)
 from asyncwt._cli.launch import worker_process
 from asyncwt._core.bytes import byte_view
 from asyncwt._core.plan import TransferPlan
 from asyncwt._transports.link import Peer, WorkerLink
-from asyncwt._transports.shm.backend import (
-    ShmReceiver,
-    ShmSender,
-    ShmTrainerInitInfo,
-    ShmWorkerInitInfo,
-)
+from asyncwt._transports.shm.backend import ShmReceiver, ShmSender
 from asyncwt._transports.shm.cma import (
     PROBE_BYTES,
     ReadProbe,

@@ -15,16 +15,14 @@ from asyncwt import (
     ControlPlaneError,
     HttpClient,
     ModuleSource,
+    TorchDistTrainerInitInfo,
+    TorchDistWorkerInitInfo,
     trainer_init,
 )
 from asyncwt._cli.launch import worker_process
 from asyncwt._core.plan import TransferPlan
 from asyncwt._transports import torch_dist as _torch_dist
-from asyncwt._transports.torch_dist import (
-    TorchDistTrainerInitInfo,
-    TorchDistWorkerInitInfo,
-    gpu_uuid,
-)
+from asyncwt._transports.torch_dist import gpu_uuid
 
 TESTS = Path(__file__).resolve().parent
 

@@ -16,6 +16,7 @@ import anyio
 import torch
 
 from .._core.concurrency import unwrap_group
+from .._core.validate import check_port
 from .._worker.base import WeightTransferConfig
 from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
 from .._worker.server_limits import ServerLimits
@@ -194,6 +195,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             parser.error(f"--import {module}: {exc}")
     transform = _import_object(args.transform, "--transform", parser) if args.transform else None
     try:
+        check_port("--port", args.port, allow_zero=True)
         config = WeightTransferConfig(
             backend=args.backend,
             apply_threads=args.apply_threads,

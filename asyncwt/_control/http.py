@@ -13,6 +13,7 @@ from typing_extensions import Self
 
 from .._core.concurrency import fan_out
 from .._core.errors import ControlPlaneError
+from .._core.validate import check_timeout
 from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["HttpClient"]
@@ -59,8 +60,7 @@ class HttpClient:
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"base_urls should be http(s):// URLs, got {url!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout should be > 0 seconds, got {timeout!r}")
+        check_timeout("timeout", timeout)
         if api_key is not None and (
             not isinstance(api_key, str) or not api_key or not api_key.isprintable()
         ):

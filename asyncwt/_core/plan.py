@@ -19,6 +19,7 @@ import torch
 
 from .errors import PlanMismatchError
 from .meta import ParamMeta
+from .validate import check_positive
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -107,8 +108,8 @@ class TransferPlan:
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> TransferPlan:
         """Lay `params` out in metadata order into buckets of `bucket_bytes`."""
-        _check_positive_int("bucket_bytes", bucket_bytes)
-        _check_positive_int("alignment", alignment)
+        check_positive("bucket_bytes", bucket_bytes)
+        check_positive("alignment", alignment)
         if alignment & (alignment - 1) or alignment < 16:
             raise ValueError(f"alignment should be a power of two >= 16, got {alignment}")
         if bucket_bytes % alignment:
@@ -185,11 +186,6 @@ class TransferPlan:
             raise ValueError(f"plan description is malformed: {exc!r}") from exc
         plan.check_digest(digest, where="the trainer's plan")
         return plan
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} should be a positive int, got {value!r}")
 
 
 class _Layout:

@@ -1,20 +1,29 @@
-"""Init and update infos shared by every pipelined backend (tcp, shm, torch_dist)."""
+"""Init and update infos shared by every pipelined backend (all the built-in ones)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._worker.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
+from .validate import (
+    check_at_most,
+    check_bool,
+    check_int_in,
+    check_positive,
+    check_str,
+    check_timeout,
+)
 
 __all__ = [
+    "MAX_NUM_BUFFERS",
+    "MAX_ROUND_ID",
+    "MAX_TRAINER_ID_CHARS",
     "PipelineSettings",
     "RoundUpdateInfo",
     "WorkerPlanInfo",
-    "check_at_most",
-    "check_positive",
+    "check_trainer_id",
 ]
 
 _TIMEOUTS = (
@@ -28,57 +37,16 @@ _TIMEOUTS = (
 MAX_NUM_BUFFERS = 64
 """Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
 on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""
-MAX_TIMEOUT_S = 7 * 24 * 3600
-"""Upper bound on every timeout: a week is "no timeout" for a weight sync, and far
-larger values overflow the sockets' and threads' own limits."""
 MAX_ROUND_ID = 2**64 - 1
 """Round ids travel in frame headers as unsigned 64-bit integers."""
-
-
-def check_positive(name: str, value: object, kind: type = int) -> None:
-    """Raise `ValueError` naming `name` unless `value` is a positive int (or finite float)."""
-    allowed = (int, float) if kind is float else (int,)
-    ok = isinstance(value, allowed) and not isinstance(value, bool)
-    if not ok or not value > 0 or not math.isfinite(value):  # type: ignore[operator,arg-type]
-        raise ValueError(f"{name} should be a positive {kind.__name__}, got {value!r}")
-
-
-def check_at_most(name: str, value: int, limit: int) -> None:
-    """Raise `ValueError` naming `name` if `value` (already checked positive) exceeds `limit`."""
-    if value > limit:
-        raise ValueError(f"{name} should be at most {limit}, got {value}")
-
-
-def check_timeout(name: str, value: object) -> None:
-    """Raise `ValueError` naming `name` unless `value` is a number of seconds in
-    (0, `MAX_TIMEOUT_S`]."""
-    check_positive(name, value, float)
-    check_at_most(name, value, MAX_TIMEOUT_S)  # type: ignore[arg-type]
 
 
 MAX_TRAINER_ID_CHARS = 128
 
 
 def check_trainer_id(value: object) -> None:
-    """Raise `ValueError` unless `value` is a str of at most `MAX_TRAINER_ID_CHARS`."""
-    if not isinstance(value, str) or len(value) > MAX_TRAINER_ID_CHARS:
-        shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
-        raise ValueError(
-            f"trainer_id should be a str of at most {MAX_TRAINER_ID_CHARS} characters, got {shown}"
-        )
-
-
-def check_host(name: str, value: object) -> None:
-    """Raise `ValueError` naming `name` unless `value` is a host name or address a
-    socket can take: a non-empty str of at most 253 characters that IDNA encodes."""
-    if not isinstance(value, str) or not value or len(value) > 253:
-        raise ValueError(
-            f"{name} should be a host name or address (1-253 characters), got {value!r}"
-        )
-    try:
-        value.encode("idna")
-    except UnicodeError:
-        raise ValueError(f"{name} should be a host name or address, got {value!r}") from None
+    """`value` is a trainer id: a str of at most `MAX_TRAINER_ID_CHARS` characters."""
+    check_str("trainer_id", value, max_chars=MAX_TRAINER_ID_CHARS)
 
 
 @dataclass
@@ -99,9 +67,7 @@ class PipelineSettings:
     read_ahead: int = 4
     """Buckets the source may be iterated ahead of the pack stage. A gathering source
     (FSDP2) keeps about `num_buffers + read_ahead + 2` buckets of gathered tensors
-    alive on rank 0; fewer makes a slow gather stall sooner behind the wire (on the
-    benchmark's two equal stages over tcp, 2 measured 1.16-1.20x the slower stage
-    alone and 4 measured 1.10-1.12x)."""
+    alive on rank 0; fewer makes a slow gather stall sooner behind the wire."""
     device: str | None = None
     """Device for lanes and staging. `None` follows the source's tensors (a CPU model
     stays on the CPU, and a torch_dist trainer on gloo, even on a GPU host); a bare
@@ -139,8 +105,7 @@ class PipelineSettings:
             check_at_most(name, getattr(self, name), MAX_NUM_BUFFERS)
         for name in _TIMEOUTS:
             check_timeout(name, getattr(self, name))
-        if not isinstance(self.zero_copy, bool):
-            raise ValueError(f"zero_copy should be a bool, got {self.zero_copy!r}")
+        check_bool("zero_copy", self.zero_copy)
 
     def worker_fields(self) -> dict[str, Any]:
         """The settings every worker receives at init (besides the plan)."""
@@ -192,12 +157,5 @@ class RoundUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         check_trainer_id(self.trainer_id)
-        check_positive("round_id", self.round_id)
-        if self.round_id > MAX_ROUND_ID:
-            raise ValueError(
-                f"round_id should be at most {MAX_ROUND_ID} (64 bits), got {self.round_id}"
-            )
-        if not isinstance(self.plan_digest, str) or len(self.plan_digest) != 64:
-            raise ValueError(
-                f"plan_digest should be a 64-character hex str, got {self.plan_digest!r}"
-            )
+        check_int_in("round_id", self.round_id, 1, MAX_ROUND_ID)
+        check_str("plan_digest", self.plan_digest, min_chars=64, max_chars=64)

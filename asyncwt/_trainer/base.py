@@ -11,6 +11,7 @@ from typing_extensions import Self
 
 from .._control.protocol import AnyWeightSyncClient, check_client
 from .._core.source import WeightSource
+from .._core.validate import check_non_negative
 
 __all__ = ["TrainerInitInfo", "TrainerWeightTransferEngine"]
 
@@ -42,8 +43,7 @@ class TrainerInitInfo:
             )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise ValueError(f"rank should be a non-negative int, got {self.rank!r}")
+        check_non_negative("rank", self.rank)
 
     @property
     def is_sender(self) -> bool:

@@ -90,7 +90,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         self._pipeline = PipelineConfig(
             num_buffers=settings.num_buffers,
             zero_copy=settings.zero_copy,
-            queue_depth=settings.read_ahead,
+            read_ahead=settings.read_ahead,
         )
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]

@@ -27,9 +27,8 @@ import collections
 import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
 
 import anyio
 import anyio.to_thread
@@ -42,57 +41,15 @@ from .._core.plan import Bucket, Slice, TransferPlan
 from .._core.sched import bulk_work, prompt_wakeups
 from .._core.source import WeightSource
 from .._core.stats import StageClock
+from .._transports.base import Segment, SenderTransport, Settle
 from .lanes import DeviceLane, LaneEvent, staging_buffer
 
 __all__ = [
-    "BucketSink",
     "PipelineConfig",
-    "Segment",
-    "Settle",
     "StagingPool",
     "iterate_and_check",
     "run_pipeline",
 ]
-
-Segment = torch.Tensor
-"""A byte range of a bucket's payload: a 1-D uint8 view of a source tensor or of a
-staging buffer, on the host or on a device. Sinks that write to sockets take
-`byte_view(segment)` (host segments only); device sinks use the tensor itself."""
-
-Settle = Callable[[], Awaitable[None]]
-"""What `send_bucket` returns for a bucket it left in flight: awaiting it returns
-once nothing reads the bucket's segments any more, and raises if delivery failed."""
-
-
-class BucketSink(Protocol):
-    """Where the send stage delivers buckets: a transport's sending side."""
-
-    min_view_bytes: int | None
-    """Slices at least this long may be segments that point into the source's own
-    CPU tensors (scatter-gather sends); shorter ones, and every slice when `None`,
-    are packed into `staging(slot)` or the pool. Read once the round is open."""
-
-    def staging(self, slot: int) -> torch.Tensor | None:
-        """The transport's own buffer for `slot` (e.g. shared memory), or `None` to
-        pack into the pipeline's pool."""
-        ...
-
-    async def reclaim(self, slot: int) -> None:
-        """Wait until `staging(slot)` may be overwritten (every reader released it)."""
-        ...
-
-    in_flight_buckets: int
-    """How many buckets may be in flight at once (see `send_bucket`); 1 for a sink
-    whose `send_bucket` always returns `None`."""
-
-    async def send_bucket(
-        self, bucket: Bucket, slot: int, segments: list[Segment]
-    ) -> Settle | None:
-        """Deliver `bucket`'s payload, one segment per slice. `None`: the segments
-        may be reused now. A `Settle`: they stay valid (their slot held, their
-        tensors alive) until it returns; the pipeline awaits it before more than
-        `in_flight_buckets` are out."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +60,9 @@ class PipelineConfig:
     """Buckets in flight between pack and send (each may hold one staging buffer)."""
     zero_copy: bool = True
     """Send contiguous CPU tensors in place instead of packing them."""
-    queue_depth: int = 4
-    """Buckets the iterate stage may run ahead of the pack stage."""
+    read_ahead: int = 4
+    """Buckets the iterate stage may run ahead of the pack stage
+    (`PipelineSettings.read_ahead`)."""
 
 
 class StagingPool:
@@ -132,18 +90,20 @@ class _Handoff:
 
     `from_thread.run(stream.send, work)` holds the thread until the event loop runs
     the call, and a loop busy pushing a large bucket into a socket answers late: a
-    gathering source would stall for nothing (measured: 50-70 ms of a 0.4 s round).
-    Here the thread waits only for room (at most `depth` buckets handed out and not
-    yet taken by the pack stage) and queues the delivery on the loop, which runs
+    gathering source would stall for nothing. Here the thread waits only for room
+    (at most `read_ahead` buckets handed out and not yet taken by the pack stage) and queues the delivery on the loop, which runs
     such callbacks in order, and before it learns that the thread has returned.
     """
 
     def __init__(
-        self, stream: MemoryObjectSendStream[_Work], depth: int, loop: asyncio.AbstractEventLoop
+        self,
+        stream: MemoryObjectSendStream[_Work],
+        read_ahead: int,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._stream = stream
         self._loop = loop
-        self._room = threading.Semaphore(depth)
+        self._room = threading.Semaphore(read_ahead)
         self._closed = threading.Event()
 
     def put(self, work: _Work, stop: threading.Event) -> bool:
@@ -357,7 +317,7 @@ async def _pack(
     outbox: MemoryObjectSendStream[_Packed],
     free_slots: MemoryObjectReceiveStream[int],
     pool: StagingPool,
-    sink: BucketSink,
+    sink: SenderTransport,
     lane: DeviceLane,
     zero_copy: bool,
     clock: StageClock,
@@ -379,7 +339,7 @@ async def _pack_each(
     outbox: MemoryObjectSendStream[_Packed],
     free_slots: MemoryObjectReceiveStream[int],
     pool: StagingPool,
-    sink: BucketSink,
+    sink: SenderTransport,
     lane: DeviceLane,
     min_view: int | None,
     clock: StageClock,
@@ -422,7 +382,7 @@ async def _pack_each(
 async def _send(
     inbox: MemoryObjectReceiveStream[_Packed],
     release: MemoryObjectSendStream[int],
-    sink: BucketSink,
+    sink: SenderTransport,
     clock: StageClock,
     window: int,
 ) -> int:
@@ -473,7 +433,7 @@ async def _send(
 async def run_pipeline(
     plan: TransferPlan,
     source: WeightSource,
-    sink: BucketSink,
+    sink: SenderTransport,
     *,
     pool: StagingPool,
     iterate_lane: DeviceLane,
@@ -489,20 +449,20 @@ async def run_pipeline(
 
     With `opened`, the source is iterated at once but the sink is used only once the
     event is set: the caller opens the round on the transport meanwhile, and the
-    first gathers (at most `queue_depth` buckets of them) overlap that round trip.
+    first gathers (at most `read_ahead` buckets of them) overlap that round trip.
 
     Cancellation: every stage stops; the iterate thread stops at its next yield (a
     running collective finishes first); buckets already handed to the sink are
     the sink's business (the caller aborts the round on the transport).
     """
     clocks = {name: StageClock() for name in ("iterate", "pack", "send")}
-    work_send, work_recv = anyio.create_memory_object_stream[_Work](config.queue_depth)
+    work_send, work_recv = anyio.create_memory_object_stream[_Work](config.read_ahead)
     packed_send, packed_recv = anyio.create_memory_object_stream[_Packed](config.num_buffers)
     slot_send, slot_recv = anyio.create_memory_object_stream[int](config.num_buffers)
     for slot in range(config.num_buffers):
         slot_send.send_nowait(slot)
     stop = threading.Event()
-    handoff = _Handoff(work_send, config.queue_depth, asyncio.get_running_loop())
+    handoff = _Handoff(work_send, config.read_ahead, asyncio.get_running_loop())
 
     async def iterate() -> None:
         async with work_send:

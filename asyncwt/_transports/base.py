@@ -10,19 +10,53 @@ behaviour and test suite for free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._core.plan import Bucket
-from .._trainer.pipeline import Segment, Settle
-from .._worker.applier import ModelTarget
 
-__all__ = ["ReceivedBucket", "ReceiverTransport", "SenderTransport"]
+__all__ = [
+    "InitWorkers",
+    "LandingTarget",
+    "ReceivedBucket",
+    "ReceiverTransport",
+    "Segment",
+    "SenderTransport",
+    "Settle",
+]
+
+Segment = torch.Tensor
+"""A byte range of a bucket's payload: a 1-D uint8 view of a source tensor or of a
+staging buffer, on the host or on a device. Senders that write to sockets take
+`byte_view(segment)` (host segments only); device senders use the tensor itself."""
+
+Settle = Callable[[], Awaitable[None]]
+"""What `send_bucket` returns for a bucket it left in flight: awaiting it returns
+once nothing reads the bucket's segments any more, and raises if delivery failed."""
 
 InitWorkers = Callable[[dict[str, Any]], Awaitable[None]]
+"""The control-plane call that inits every worker with the given init info."""
+
+
+class LandingTarget(Protocol):
+    """What a receiver may write into: the model's parameters, by plan index.
+
+    The worker's applier provides it (`ModelTarget`); a receiver uses nothing else
+    of the model.
+    """
+
+    @property
+    def direct(self) -> Sequence[bool]:
+        """Per plan parameter: whether its bytes may be received straight into the
+        model (at `landing_view`), rather than into a buffer for the applier."""
+        ...
+
+    def landing_view(self, index: int) -> memoryview:
+        """The writable bytes of plan parameter `index` in the model (where `direct`)."""
+        ...
 
 
 class SenderTransport(ABC):
@@ -30,18 +64,22 @@ class SenderTransport(ABC):
 
     min_view_bytes: int | None = None
     """Slices at least this long may reach `send_bucket` as segments that point into
-    the source's own (CPU) tensors; shorter ones, and all with `None`, are packed."""
+    the source's own CPU tensors (scatter-gather sends); shorter ones, and every
+    slice when `None`, are packed into `staging(slot)` or the pipeline's pool. Read
+    once the round is open (`begin_round` may set it)."""
 
     in_flight_buckets: int = 1
-    """Buckets that may be in flight at once: above 1, `send_bucket` may return a
-    `Settle` instead of waiting until the bucket's segments are no longer read."""
+    """Buckets that may be in flight at once (see `send_bucket`); 1 for a transport
+    whose `send_bucket` always returns `None`."""
 
     def staging(self, slot: int) -> torch.Tensor | None:
-        """The transport's own buffer for pipeline slot `slot`, or `None` for the pool's."""
+        """The transport's own buffer for pipeline slot `slot` (shared memory, say),
+        or `None` to pack into the pipeline's pool."""
         return None
 
     async def reclaim(self, slot: int) -> None:
-        """Wait until every worker released what `slot` held; a no-op by default."""
+        """Wait until `staging(slot)` may be overwritten (every worker released what
+        it held); the pipeline calls it before it packs into `slot`. A no-op by default."""
 
     @abstractmethod
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
@@ -64,11 +102,13 @@ class SenderTransport(ABC):
     async def send_bucket(
         self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Deliver `bucket` (its payload is `segments`, packed in `slot` if staged;
-        device segments when `staging(slot)` is device memory).
+        """Deliver `bucket`'s payload, one segment per slice (packed in `slot` if
+        staged; device segments when `staging(slot)` is device memory).
 
-        Returns `None` once the segments may be reused, or (with `in_flight_buckets`
-        above 1) a `Settle` the pipeline awaits before it reuses them.
+        Returns `None` once the segments may be reused. Or, with `in_flight_buckets`
+        above 1, a `Settle`: the segments stay valid (their slot held, their tensors
+        alive) until it returns, and the pipeline awaits it before more than
+        `in_flight_buckets` buckets are out.
         """
 
     @abstractmethod
@@ -108,8 +148,9 @@ class ReceiverTransport(ABC):
         """Join the trainer (during `init_transfer_engine`)."""
 
     @abstractmethod
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
-        """Yield every bucket of `round_id` in order, as it arrives.
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
+        """Yield every bucket of `round_id` in order, as it arrives, each slice
+        straight into `target` where `target.direct` says so (with `lands_in_place`).
 
         Raises `TransferAbortedError` when the trainer aborts, `TransferTimeoutError`
         when it goes quiet, other `TransferError`s when the connection fails (after

@@ -1,7 +1,8 @@
-"""The `"cuda_ipc"` backend: the bucket ring (see `_ring`) in GPU memory, one node.
+"""The `"cuda_ipc"` backend: the bucket ring in GPU memory, one node.
 
-The trainer allocates `num_buffers` bucket buffers on its GPU and exports their
-CUDA IPC handles at init; each worker maps them once (no per-bucket re-import).
+The ring is `asyncwt._transports.shm.ring`'s. The trainer allocates `num_buffers`
+bucket buffers on its GPU and exports their CUDA IPC handles at init; each worker
+maps them once (no per-bucket re-import).
 Buckets are packed on the pack lane's stream; the send stage waits for that
 stream's event before announcing a slot, and a worker releases a slot only after
 its own stream finished reading it, so a slot is reused only after every reader
@@ -36,9 +37,9 @@ from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
 from .._worker.engine import DeferredWorkerEngine
 from .base import ReceiverTransport, SenderTransport
+from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .shm.ring import RingReceiver, RingSender
-from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
-from .torch_dist import gpu_uuid
+from .torch_dist import check_gpu_uuid, gpu_uuid
 
 __all__ = [
     "CudaIpcTrainerEngine",
@@ -124,7 +125,7 @@ class CudaIpcTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
 
 @dataclass
-class CudaIpcWorkerInitInfo(TcpWorkerInitInfo):
+class CudaIpcWorkerInitInfo(LinkedWorkerInfo):
     """What a `"cuda_ipc"` worker receives: the link, and one IPC handle per ring slot."""
 
     ipc_buffers: list[dict[str, Any]] = field(default_factory=list)
@@ -133,12 +134,7 @@ class CudaIpcWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.ipc_gpu is not None and (
-            not isinstance(self.ipc_gpu, str) or not 0 < len(self.ipc_gpu) <= 64
-        ):
-            raise ValueError(
-                f"ipc_gpu should be None or a GPU UUID of 1-64 characters, got {self.ipc_gpu!r}"
-            )
+        check_gpu_uuid("ipc_gpu", self.ipc_gpu)
         if not isinstance(self.ipc_buffers, list) or len(self.ipc_buffers) != self.num_buffers:
             raise ValueError(
                 f"ipc_buffers should hold num_buffers ({self.num_buffers}) handles, "

@@ -3,7 +3,7 @@
 The TCP backend carries its payload on it; the shared-memory backend carries only
 frame headers and slot releases on it (the payload sits in shared memory). Either
 way the trainer listens during init only, and every worker proves the token with
-the challenge–response in `_wire` before it is admitted.
+the challenge–response in `asyncwt._transports.wire` before it is admitted.
 """
 
 from __future__ import annotations

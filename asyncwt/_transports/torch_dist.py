@@ -18,8 +18,8 @@ broadcast once.
 Two buckets are on the wire at once (`IN_FLIGHT_BUCKETS`): the trainer starts a
 bucket's broadcasts and returns a `Settle` to the pipeline instead of waiting for
 them, and the worker, while a bucket's broadcasts run, watches the link for the
-next header and starts that bucket's too. Waiting for each collective before
-starting the next one left the connection idle in between.
+next header and starts that bucket's too, so the connection does not idle
+between buckets.
 """
 
 from __future__ import annotations
@@ -45,16 +45,22 @@ import torch.distributed as dist
 
 from .._core.errors import TransferAbortedError, TransferError, TransferTimeoutError
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._core.settings import check_positive
+from .._core.validate import check_int_in, check_port, check_positive, check_str
 from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
 from .._trainer.lanes import staging_buffer, wait_for_stream
-from .._trainer.pipeline import Segment, Settle
-from .._worker.applier import ModelTarget
 from .._worker.engine import DeferredWorkerEngine, ReceivePool
-from .base import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
+from .base import (
+    InitWorkers,
+    LandingTarget,
+    ReceivedBucket,
+    ReceiverTransport,
+    Segment,
+    SenderTransport,
+    Settle,
+)
 from .link import LinkedSender, WorkerLink, connect_link
-from .tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .torch_dist_store import StoreClient, StoreServer, store_digest
 from .wire import Frame, FrameKind
 
@@ -127,6 +133,12 @@ def gpu_uuid(device: torch.device) -> str | None:
         return str(torch.cuda.get_device_properties(device).uuid)
     except (AttributeError, RuntimeError, AssertionError):
         return None
+
+
+def check_gpu_uuid(name: str, value: object) -> None:
+    """`value` is `None` or what `gpu_uuid` returns: a str of 1-64 characters."""
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
+        raise ValueError(f"{name} should be None or a GPU UUID of 1-64 characters, got {value!r}")
 
 
 def _group_backend(device: torch.device) -> str:
@@ -299,10 +311,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _start_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> list[dist.Work]:
     """Start broadcasting `tensors`, in order, without waiting for any of them.
 
-    Waiting for each collective before starting the next leaves the connection
-    idle between them: over gloo on loopback, 16-64 MiB broadcasts ran at 1.4-1.7
-    GB/s one at a time and 1.9-2.9 GB/s with two or more in flight. Every rank
-    starts the same broadcasts in the same order, so they pair up.
+    Waiting for each collective before starting the next would leave the
+    connection idle between them. Every rank starts the same broadcasts in the same
+    order, so they pair up.
     """
     return [_start_broadcast(group, tensor) for tensor in tensors]
 
@@ -328,6 +339,7 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("num_workers", self.num_workers)
+        check_port("store_port", self.store_port, allow_zero=True)
         if self.group_backend is not None and self.group_backend not in _PG_BACKENDS:
             raise ValueError(
                 f"group_backend should be one of {_PG_BACKENDS} or None, got {self.group_backend!r}"
@@ -335,7 +347,7 @@ class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
 
 @dataclass
-class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
+class TorchDistWorkerInitInfo(LinkedWorkerInfo):
     """What a `"torch_dist"` worker receives: the link, and how to join the group."""
 
     store_port: int = 0
@@ -350,18 +362,10 @@ class TorchDistWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_positive("store_port", self.store_port)
-        if self.trainer_gpu is not None and (
-            not isinstance(self.trainer_gpu, str) or not 0 < len(self.trainer_gpu) <= 64
-        ):
-            raise ValueError(
-                f"trainer_gpu should be None or a GPU UUID of 1-64 characters, got {self.trainer_gpu!r}"
-            )
-        check_positive("world_size", self.world_size)
-        if self.world_size < 2:
-            raise ValueError(f"world_size should be >= 2, got {self.world_size}")
-        if not isinstance(self.group_key, str) or len(self.group_key) != 32:
-            raise ValueError(f"group_key should be a 32-character str, got {self.group_key!r}")
+        check_port("store_port", self.store_port)
+        check_gpu_uuid("trainer_gpu", self.trainer_gpu)
+        check_int_in("world_size", self.world_size, 2)
+        check_str("group_key", self.group_key, min_chars=32, max_chars=32)
         if self.group_backend not in _PG_BACKENDS:
             raise ValueError(
                 f"group_backend should be one of {_PG_BACKENDS}, got {self.group_backend!r}"
@@ -582,7 +586,7 @@ class _Incoming:
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
-    def finish(self, target: ModelTarget) -> None:
+    def finish(self, target: LandingTarget) -> None:
         """Wait for the broadcasts, then copy the short direct slices into place."""
         _wait_all(self.works, self.side)
         for s in self.copied_out:
@@ -671,7 +675,7 @@ class TorchDistReceiver(ReceiverTransport):
     def usable(self) -> bool:
         return self.link is not None and not self.link.broken and self.store is not None
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
         try:
@@ -692,7 +696,7 @@ class TorchDistReceiver(ReceiverTransport):
             raise
 
     def _receive(
-        self, link: WorkerLink, round_id: int, target: ModelTarget
+        self, link: WorkerLink, round_id: int, target: LandingTarget
     ) -> Iterator[ReceivedBucket]:
         """Start each bucket's broadcasts as its header arrives, up to
         `IN_FLIGHT_BUCKETS` at once (as the trainer sends them), and yield each
@@ -768,7 +772,7 @@ class TorchDistReceiver(ReceiverTransport):
         bucket: Bucket,
         buffer: torch.Tensor,
         release: Callable[[], None],
-        target: ModelTarget,
+        target: LandingTarget,
     ) -> _Incoming:
         """Start receiving `bucket`'s broadcasts: a parameter the model takes as it is
         gets its bytes in place (a long slice directly, a short one copied out of

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from .._control.protocol import WeightTransferUpdatePayload
+from .._core.validate import check_bool, check_int_in, check_str
 
 __all__ = [
     "WeightTransferConfig",
@@ -68,22 +69,12 @@ class WeightTransferConfig:
     knows nor needs to know whether a worker stages."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.staged, bool):
-            raise ValueError(f"staged should be a bool, got {self.staged!r}")
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"backend should be a non-empty str, got {self.backend!r}")
-        if (
-            not isinstance(self.apply_threads, int)
-            or isinstance(self.apply_threads, bool)
-            or self.apply_threads < 1
-        ):
-            raise ValueError(f"apply_threads should be an int >= 1, got {self.apply_threads!r}")
+        check_bool("staged", self.staged)
+        check_str("backend", self.backend, min_chars=1)
+        check_int_in("apply_threads", self.apply_threads, 1)
         if self.transform is not None and not callable(self.transform):
             raise ValueError(f"transform should be callable or None, got {self.transform!r}")
-        if not isinstance(self.transform_elementwise, bool):
-            raise ValueError(
-                f"transform_elementwise should be a bool, got {self.transform_elementwise!r}"
-            )
+        check_bool("transform_elementwise", self.transform_elementwise)
         if self.transform_elementwise and self.transform is None:
             raise ValueError(
                 "transform_elementwise=True describes the transform, but transform is None; "

@@ -29,7 +29,7 @@ from .._core.errors import (
 from .._core.plan import Bucket, TransferPlan
 from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
 from .._trainer.lanes import staging_buffer
-from .._transports.base import ReceiverTransport
+from .._transports.base import LandingTarget, ReceiverTransport
 from .applier import DeferredApplier, ModelTarget, weights_loader
 from .base import WeightTransferConfig, WeightTransferEngine
 
@@ -99,7 +99,7 @@ class ReceivePool:
         return self._buffers[slot], lambda: self._free.put(slot)
 
     def landing(
-        self, bucket: Bucket, target: ModelTarget
+        self, bucket: Bucket, target: LandingTarget
     ) -> tuple[torch.Tensor | None, Callable[[], None], list[memoryview]]:
         """Where each slice of `bucket` should be received: straight into the model
         where `target` takes the bytes as they are, else into a buffer of this pool at

@@ -35,7 +35,7 @@ import anyio
 import anyio.to_thread
 from aiohttp import web
 
-from .._core.settings import check_positive, check_timeout
+from .._core.validate import check_positive, check_timeout
 
 __all__ = [
     "BODY_LIMITS",

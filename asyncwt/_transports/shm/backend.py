@@ -8,14 +8,15 @@ itself, where it takes the bytes as they are), then acknowledges the bucket. One
 copy per byte, where a ring costs two on the same cores.
 
 Every other worker, or every worker when the trainer sets `direct_reads=False`,
-uses the bucket ring (see `_ring`) in shared memory. On Linux the ring has no name
-at all (`_memfd`): anonymous memory whose descriptors the trainer hands to workers
-of its user over an abstract Unix socket during init, and which the kernel frees
-with its last holder, so nothing can be left in `/dev/shm` however both sides die
-(a SIGKILL of the trainer's whole process group included). Elsewhere the segments
-are named, owner-only, and unlinked as soon as every worker has mapped them. If
-one worker of a round reads from the ring, every bucket is packed into it (a
-worker that reads directly then reads the ring slot).
+uses the bucket ring (see `asyncwt._transports.shm.ring`) in shared memory. On
+Linux the ring has no name at all (`asyncwt._transports.shm.memfd`): anonymous
+memory whose descriptors the trainer hands to workers of its user over an abstract
+Unix socket during init, and which the kernel frees with its last holder, so
+nothing can be left in `/dev/shm` however both sides die (a SIGKILL of the
+trainer's whole process group included). Elsewhere the segments are named,
+owner-only, and unlinked as soon as every worker has mapped them. If one worker of
+a round reads from the ring, every bucket is packed into it (a worker that reads
+directly then reads the ring slot).
 """
 
 from __future__ import annotations
@@ -37,15 +38,21 @@ import torch
 from ..._core.concurrency import single_error
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
+from ..._core.validate import check_bool, check_u64
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
-from ..._trainer.pipeline import Segment
-from ..._worker.applier import ModelTarget
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import InitWorkers, ReceivedBucket, ReceiverTransport, SenderTransport
+from ..base import (
+    InitWorkers,
+    LandingTarget,
+    ReceivedBucket,
+    ReceiverTransport,
+    Segment,
+    SenderTransport,
+)
 from ..link import Peer
+from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..sockio import recv_exact
-from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
 from ..wire import Frame, FrameKind
 from . import cma as _cma
 from . import memfd as _memfd
@@ -80,12 +87,11 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.direct_reads, bool):
-            raise ValueError(f"direct_reads should be a bool, got {self.direct_reads!r}")
+        check_bool("direct_reads", self.direct_reads)
 
 
 @dataclass
-class ShmWorkerInitInfo(TcpWorkerInitInfo):
+class ShmWorkerInitInfo(LinkedWorkerInfo):
     """What a `"shm"` worker receives: the link's address and token, the segments,
     and (when the trainer offers direct reads) its pid and read probe."""
 
@@ -103,10 +109,8 @@ class ShmWorkerInitInfo(TcpWorkerInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("trainer_pid", "probe_address"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
-                raise ValueError(f"{name} should be an int in [0, 2**64), got {value!r}")
+        check_u64("trainer_pid", self.trainer_pid)
+        check_u64("probe_address", self.probe_address)
         nonce = self.probe_nonce
         if self.trainer_pid and (
             not isinstance(nonce, str)
@@ -374,7 +378,7 @@ class ShmReceiver(RingReceiver):
             buffers.append(_view(segment, self.plan.bucket_bytes))
         return buffers
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         if not self.reads_directly:
             yield from super().receive_round(round_id, target)
             return

@@ -18,11 +18,9 @@ import torch
 
 from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
-from ..._trainer.pipeline import Segment
-from ..._worker.applier import ModelTarget
-from ..base import InitWorkers, ReceivedBucket, ReceiverTransport
+from ..base import InitWorkers, LandingTarget, ReceivedBucket, ReceiverTransport, Segment
 from ..link import LinkedSender, Peer, WorkerLink, connect_link
-from ..tcp.settings import LinkedTrainerInfo, TcpWorkerInitInfo
+from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..wire import Frame, FrameKind
 
 __all__ = ["RingReceiver", "RingSender"]
@@ -115,9 +113,9 @@ class RingReceiver(ReceiverTransport):
 
     lands_in_place = False
     reads_directly = False
-    """Whether buckets come as addresses in the trainer's memory (see `_shm`)."""
+    """Whether buckets come as addresses in the trainer's memory (see `asyncwt._transports.shm.backend`)."""
 
-    def __init__(self, info: TcpWorkerInitInfo, plan: TransferPlan) -> None:
+    def __init__(self, info: LinkedWorkerInfo, plan: TransferPlan) -> None:
         self.info = info
         self.plan = plan
         self.link: WorkerLink | None = None
@@ -150,7 +148,7 @@ class RingReceiver(ReceiverTransport):
     def usable(self) -> bool:
         return self.link is not None and not self.link.broken
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
         with link.guard(round_id):

@@ -7,8 +7,7 @@ import torch
 from ..._core.bytes import byte_view
 from ..._core.plan import Bucket, TransferPlan
 from ..._trainer.engine import PipelinedTrainerEngine
-from ..._trainer.pipeline import Segment
-from ..base import SenderTransport
+from ..base import Segment, SenderTransport
 from ..link import LinkedSender
 from ..wire import FrameKind
 from .settings import TcpTrainerInitInfo

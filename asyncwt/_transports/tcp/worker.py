@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._core.plan import TransferPlan
-from ..._worker.applier import ModelTarget
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import ReceivedBucket, ReceiverTransport
+from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
 from ..link import WorkerLink, connect_link
 from ..sockio import recv_segments
 from .settings import TcpWorkerInitInfo
@@ -19,7 +18,7 @@ __all__ = ["TcpReceiver", "TcpWorkerEngine"]
 class TcpReceiver(ReceiverTransport):
     """Receives each bucket with `recvmsg_into`, scattering its slices into place.
 
-    A slice whose parameter can take the bytes as they are (see `ModelTarget`)
+    A slice whose parameter can take the bytes as they are (see `LandingTarget`)
     lands in the model directly; the rest land in a pooled receive buffer at their
     plan offsets, for the applier.
     """
@@ -39,7 +38,7 @@ class TcpReceiver(ReceiverTransport):
     def usable(self) -> bool:
         return self.link is not None and not self.link.broken
 
-    def receive_round(self, round_id: int, target: ModelTarget) -> Iterator[ReceivedBucket]:
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
         with link.guard(round_id):

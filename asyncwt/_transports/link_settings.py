@@ -1,0 +1,75 @@
+"""Settings of the backends that run on the authenticated link (tcp, shm, torch_dist,
+cuda_ipc): the trainer's listener and admission limits, and what each worker is
+told at init to reach it."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, fields
+
+from .._core.settings import PipelineSettings, WorkerPlanInfo
+from .._core.validate import check_host, check_port, check_positive, check_str, check_timeout
+from .link import LinkSettings
+
+__all__ = ["LinkedTrainerInfo", "LinkedWorkerInfo"]
+
+
+@dataclass
+class LinkedTrainerInfo(PipelineSettings):
+    """Trainer-side settings of every backend whose workers connect back to rank 0
+    over the authenticated link (`asyncwt._transports.link`): where rank 0 listens,
+    the token, and how many connections it admits."""
+
+    host: str = "127.0.0.1"
+    """Address rank 0 listens on. Loopback by default: set it (and `advertise_host`)
+    to reach workers on other hosts."""
+    port: int = 0
+    """Port to listen on; 0 picks a free one."""
+    advertise_host: str | None = None
+    """Address workers are told to connect to; defaults to `host`."""
+    token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    """Shared secret for the challenge–response; travels only on the control plane."""
+    max_workers: int = 64
+    """Connections admitted during init; more are refused."""
+    max_pending_handshakes: int = 16
+    """Connections that may be in their handshake at once during init. When all are
+    taken, a newcomer evicts the handshake that has waited longest on its peer (a
+    real worker answers at once), and while every handshake is busy on the
+    trainer's side the listener is not read: a flood of idle connections can
+    neither exhaust the trainer's file descriptors or memory nor keep a worker out.
+    The `torch_dist` rendezvous store admits its connections the same way."""
+    handshake_timeout: float = 10.0
+    """Seconds a connection has to complete its handshake (the worker's HELLO and
+    PROOF) before the trainer drops it: an idle connection holds a handshake slot at
+    most this long."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_host("host", self.host)
+        check_port("port", self.port, allow_zero=True)
+        if self.advertise_host is not None:
+            check_host("advertise_host", self.advertise_host)
+        check_str("token", self.token, min_chars=16, secret=True)
+        check_positive("max_workers", self.max_workers)
+        check_positive("max_pending_handshakes", self.max_pending_handshakes)
+        check_timeout("handshake_timeout", self.handshake_timeout)
+
+    def link_settings(self) -> LinkSettings:
+        """What the trainer side of the links reads of these settings."""
+        return LinkSettings(**{f.name: getattr(self, f.name) for f in fields(LinkSettings)})
+
+
+@dataclass
+class LinkedWorkerInfo(WorkerPlanInfo):
+    """What every link-backed worker receives at init: where rank 0 listens, the
+    token to prove, and the plan. Each backend's worker init info adds its own."""
+
+    host: str = ""
+    port: int = 0
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_host("host", self.host)
+        check_port("port", self.port)
+        check_str("token", self.token, min_chars=1, secret=True)
