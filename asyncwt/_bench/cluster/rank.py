@@ -135,6 +135,7 @@ async def _run_job(
 ) -> tuple[dict[str, Any], bool]:
     """Warm-up + timed rounds to `job["urls"]`; (record, whether the model ends negated)."""
     from ... import HttpClient, ModuleSource, TcpTrainerInitInfo, trainer_init
+    from ..._worker.server import API_KEY_ENV
     from .._cpu import CpuMeter, machine_cpu_s, median_cores
 
     label = job["label"]
@@ -144,7 +145,8 @@ async def _run_job(
     meter = CpuMeter(pids)
     records: list[dict[str, Any]] = []
     print(f"rank {rank}: {label}", file=sys.stderr, flush=True)
-    async with HttpClient(job["urls"], timeout=900.0) as client:
+    api_key = os.environ[API_KEY_ENV]  # set by the run for its workers
+    async with HttpClient(job["urls"], timeout=900.0, api_key=api_key) as client:
         try:
             info = TcpTrainerInitInfo(
                 rank=rank, host=trainer_host, bucket_bytes=bucket_bytes, num_buffers=num_buffers

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..._worker.server import API_KEY_ENV
 from .._model import MODEL_ENV, LlamaShape
 from .._procs import Child, _popen, spawn_bench_worker, worker_url
 from .._util import Rounds
@@ -145,6 +147,9 @@ def run_cluster(
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")])),
         MODEL_ENV: shape.to_json(),
+        # Workers listen beyond loopback here, so they require an API key: one per run,
+        # read by `asyncwt worker` and by each trainer rank's HttpClient.
+        API_KEY_ENV: secrets.token_hex(16),
     }
     if settings.torch_threads:
         env["OMP_NUM_THREADS"] = str(settings.torch_threads)
