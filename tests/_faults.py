@@ -139,10 +139,15 @@ def proc_threads(pid: int | str = "self") -> int:
 
 
 def threads_in_asyncwt() -> list[str]:
-    """Threads other than this one currently executing asyncwt code."""
+    """Threads other than this one currently executing asyncwt code.
+
+    A worker launcher's stdout drain (`drain-worker-PID`) lives as long as its
+    worker process, by design, and is no thread of a round: it is not counted.
+    """
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
     busy = []
     for ident, frame in sys._current_frames().items():
-        if ident == threading.get_ident():
+        if ident == threading.get_ident() or names.get(ident, "").startswith("drain-worker-"):
             continue
         stack = []
         while frame is not None:
