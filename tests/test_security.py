@@ -319,7 +319,7 @@ async def test_a_worker_with_an_api_key_refuses_every_route_without_it(how: str)
 
     key = secrets.token_urlsafe(24)
     if how == "flag-on-loopback":
-        args, env = ("--api-key", key), worker_env()
+        args, env = (f"--api-key={key}",), worker_env()  # a key may start with "-"
     else:
         args, env = ("--host", "0.0.0.0"), worker_env(ASYNCWT_API_KEY=key)
     with worker_process("_models:mixed", "--backend", "tcp", *args, env=env) as url:
