@@ -25,6 +25,7 @@ missing.
 from __future__ import annotations
 
 import base64
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -193,6 +194,11 @@ class CudaIpcSender(RingSender):
     def close(self) -> None:
         buffers = self.buffers
         super().close()
+        if buffers:
+            # A cancelled round may have left pack copies into the ring queued: the
+            # next sender to take these buffers must not find them still being written.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
         shelve_ring(buffers)
 
 
