@@ -82,9 +82,10 @@ def run_rank(
             for layer in model.get_submodule("model.layers").children():
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            pids: list[Any] = [None] * world_size
-            dist.all_gather_object(pids, os.getpid())
-            rank_pids = dict(enumerate(pids))
+            # A tensor gather, not all_gather_object: that one needs numpy, not a dependency.
+            pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+            dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))
+            rank_pids = {r: int(pid.item()) for r, pid in enumerate(pids)}
             if model_checksum(model) != expected[0]:
                 raise RuntimeError("the sharded model's checksum differs from the unsharded one")
         results = []
