@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ import _models
 import anyio
 import pytest
 import torch
-from _faults import assert_worker_has, info_for, shm_leftovers, worker_env
+from _faults import assert_worker_has, info_for, proc_threads, shm_leftovers, worker_env
 from _fuzzkit import trainer_links
 
 from asyncwt import (
@@ -33,20 +34,25 @@ from asyncwt import (
     TransferError,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
+from asyncwt._cli.launch import start_worker, stop_worker, worker_process
 from asyncwt._core.bytes import byte_view
 from asyncwt._core.plan import TransferPlan
 from asyncwt._transports.link import Peer, WorkerLink
 from asyncwt._transports.shm.backend import ShmReceiver, ShmSender
 from asyncwt._transports.shm.cma import (
+    MAX_STREAMS,
     PROBE_BYTES,
     ReadProbe,
+    SplitReader,
     buffer_address,
+    default_streams,
     holds_peer_of,
     probe_reads,
     read_from,
+    split_ranges,
 )
 from asyncwt._transports.wire import Frame, FrameKind, digest_prefix
+from asyncwt._worker.applier import ModelTarget
 from asyncwt._worker.engine import ReceivePool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -89,6 +95,101 @@ def test_read_from_an_unmapped_address_is_an_os_error() -> None:
 def test_read_from_needs_one_address_per_buffer() -> None:
     with pytest.raises(ValueError, match=r"one address per local buffer \(2\), got 1"):
         read_from(os.getpid(), [memoryview(bytearray(1)), memoryview(bytearray(1))], [1])
+
+
+def _scattered(
+    lengths: list[int], skew: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, list[memoryview], list[int]]:
+    """A source, a zeroed destination, and one (view, address) pair per length: the
+    destination's consecutive runs read from `skew` bytes into the source, so no run
+    starts on a page boundary."""
+    source = torch.randint(0, 256, (sum(lengths) + skew,), dtype=torch.uint8)
+    dest = torch.zeros(sum(lengths), dtype=torch.uint8)
+    view = byte_view(dest) if dest.numel() else memoryview(bytearray())
+    local, remote, offset = [], [], 0
+    for n in lengths:
+        local.append(view[offset : offset + n])
+        remote.append(source.data_ptr() + skew + offset)
+        offset += n
+    return source[skew:], dest, local, remote
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1], [5, 0, 4096, 3], [0, 12_345, 1, 0, 99_999, 2], [300_001], [4096] * 9 + [1]],
+    ids=["one-byte", "small", "odd", "one-long", "pages"],
+)
+def test_split_ranges_cover_every_byte_once_in_order(lengths: list[int], parts: int) -> None:
+    """At most `parts` runs, none empty, that together are the pairs in order, each
+    remote byte at the same offset as its local one; a cut inside a buffer falls on
+    a remote page boundary where the buffer holds one before it."""
+    _, _, local, remote = _scattered(lengths)
+    runs = split_ranges(local, remote, parts)
+    assert 1 <= len(runs) <= parts and all(run[0] for run in runs)
+    flat = [(view, address) for views, addresses in runs for view, address in zip(views, addresses)]
+    assert sum(len(v) for v, _ in flat) == sum(lengths)
+    base, offset = remote[0], 0
+    for view, address in flat:
+        assert address == base + offset
+        offset += len(view)
+    for views, addresses in runs[1:]:
+        start = addresses[0]
+        holder = [r for v, r in zip(local, remote) if r < start < r + len(v)]
+        assert not holder or start % 4096 == 0 or start // 4096 == holder[0] // 4096
+
+
+def test_split_ranges_need_at_least_one_part_and_one_address_per_buffer() -> None:
+    with pytest.raises(ValueError, match=r"^parts should be >= 1, got 0$"):
+        split_ranges([memoryview(bytearray(1))], [1], 0)
+    with pytest.raises(ValueError, match=r"one address per local buffer \(1\), got 2"):
+        split_ranges([memoryview(bytearray(1))], [1, 2], 2)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, MAX_STREAMS])
+def test_a_split_read_copies_every_byte(streams: int) -> None:
+    lengths = [7, 0, 1 << 20, 3, 2_000_003, 0, 4099, 1]
+    source, dest, local, remote = _scattered(lengths)
+    reader = SplitReader(os.getpid(), streams, min_stream_bytes=1)
+    try:
+        reader.read(local, remote)
+    finally:
+        reader.close()
+    assert torch.equal(dest, source)
+
+
+def test_a_failed_stream_raises_once_every_stream_returned() -> None:
+    """The last range's address is not mapped: its stream's OSError comes out of
+    `read`, and only after the other streams wrote their ranges."""
+    source, dest, local, remote = _scattered([1 << 20, 1 << 20, 1 << 20])
+    remote[2] = 8  # unmapped
+    reader = SplitReader(os.getpid(), 3, min_stream_bytes=1)
+    try:
+        with pytest.raises(OSError) as caught:
+            reader.read(local, remote)
+    finally:
+        reader.close()
+    assert caught.value.errno == errno.EFAULT
+    assert torch.equal(dest[: 2 << 20], source[: 2 << 20])
+
+
+def test_split_reader_settings_are_checked_and_its_threads_stop() -> None:
+    for bad in (0, MAX_STREAMS + 1, 2.0):
+        with pytest.raises(ValueError, match=rf"^streams should be an int in \[1, {MAX_STREAMS}\]"):
+            SplitReader(os.getpid(), bad)  # type: ignore[arg-type]
+    assert 1 <= default_streams() <= MAX_STREAMS
+    source, dest, local, remote = _scattered([3 << 20])
+    reader = SplitReader(os.getpid(), 4, min_stream_bytes=1 << 20)
+    reader.read(local, remote)
+    assert torch.equal(dest, source)
+    assert _read_threads()
+    reader.close()
+    reader.close()  # idempotent
+    assert not _read_threads()
+
+
+def _read_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncwt-shm-read")]
 
 
 def test_a_child_process_reads_the_probe_back() -> None:
@@ -145,6 +246,14 @@ def test_direct_reads_must_be_a_bool() -> None:
         ShmTrainerInitInfo(rank=0, direct_reads="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", [-1, MAX_STREAMS + 1, 1.5])
+def test_read_streams_must_be_an_int_in_range(value: object) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^read_streams should be an int in \[0, {MAX_STREAMS}\], got {value!r}$"
+    ):
+        ShmTrainerInitInfo(rank=0, read_streams=value)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -196,6 +305,36 @@ async def test_a_direct_round_packs_nothing_on_the_trainer() -> None:
         sender, packed = await _push([url], model, 2, bucket_bytes=_models.LARGE_BUCKET_BYTES)
     assert sender.direct and [p.reads_directly for p in sender.links.peers] == [True]
     assert packed == 0
+    assert not shm_leftovers()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("streams", "transform"),
+    [(3, ()), (2, ("--transform", "_models:identity_transform", "--transform-elementwise"))],
+    ids=["three-streams", "two-streams-elementwise"],
+)  # fmt: skip
+async def test_split_direct_reads_are_bit_exact_and_leave_no_thread(
+    streams: int, transform: tuple[str, ...]
+) -> None:
+    """Buckets of 4 MiB, read in several streams cut through odd-sized slices (a
+    chunked parameter among them), rounds after rounds; a new `trainer_init` closes
+    the old receiver's read threads (the worker's thread count does not grow)."""
+    model = _models.large_slices()
+    proc, url = start_worker(
+        "_models:large_slices", "--backend", "shm", *transform, env=worker_env()
+    )
+    try:
+        counts = []
+        for _ in range(3):
+            sender, packed = await _push(
+                [url], model, 2, bucket_bytes=_models.LARGE_BUCKET_BYTES, read_streams=streams
+            )
+            assert sender.direct and packed == 0
+            counts.append(proc_threads(proc.pid))
+        assert counts[2] <= counts[1], counts
+    finally:
+        stop_worker(proc)
     assert not shm_leftovers()
 
 
@@ -328,3 +467,45 @@ async def test_a_pid_that_does_not_hold_the_link_is_refused(probe_elsewhere: Rea
         in refusals[0]
     )
     assert "direct_reads=False" in refusals[0]
+
+
+def test_a_failed_stream_fails_the_bucket_with_a_transfer_error() -> None:
+    """A bucket whose last slice's address is not mapped: of the streams that read
+    it, one fails; the round ends with a `TransferError` naming the bucket, its
+    receive buffer goes back to the pool, and closing the receiver stops the read
+    threads."""
+    model = _models.large_slices()
+    plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=_models.LARGE_BUCKET_BYTES)
+    probe, _buffer = ReadProbe.create()
+    worker_end, trainer_end = socket.socketpair()
+    info = ShmWorkerInitInfo(
+        host="127.0.0.1", port=5, token="t" * 32, plan=plan.to_wire(), num_buffers=1,
+        segments=["asyncwt_0123456789abcdef_0"], trainer_pid=probe.pid,
+        probe_address=probe.address, probe_nonce=probe.nonce, read_streams=3,
+    )  # fmt: skip
+    pool = ReceivePool(1, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
+    receiver = ShmReceiver(info, plan, pool)
+    assert receiver.reads_directly and receiver.reader is not None
+    receiver.reader.min_stream_bytes = 1
+    receiver.link = WorkerLink(worker_end, plan, 5.0, reads_directly=True)
+    target = ModelTarget.resolve(_models.large_slices(), plan, None, in_place=False)
+    bucket = max(plan.buckets, key=lambda b: len(b.slices))
+    source = {name: p.detach() for name, p in model.named_parameters()}
+    addresses = [
+        source[plan.params[s.param].name].view(-1).view(torch.uint8)[s.start :].data_ptr()
+        for s in bucket.slices
+    ]
+    addresses[-1] = 8  # unmapped
+    with trainer_end:
+        header = Frame(
+            FrameKind.BUCKET_AT, 1, bucket.index, digest_prefix(plan.digest), bucket.payload_bytes
+        )
+        trainer_end.sendall(header.pack() + b"".join(a.to_bytes(8, "little") for a in addresses))
+        with pytest.raises(
+            TransferError, match=rf"reading bucket {bucket.index} from the trainer's memory failed"
+        ):
+            next(receiver.receive_round(1, target))
+        assert pool.try_take() is not None  # the buffer was handed back
+        assert _read_threads()
+        receiver.close()
+    assert not _read_threads()

@@ -5,7 +5,11 @@ user, no ptrace restriction in the way), the trainer packs nothing: each bucket
 goes out as the addresses of its slices, in the trainer's own tensors, and the
 worker copies them with `process_vm_readv` straight to where they land (the model
 itself, where it takes the bytes as they are), then acknowledges the bucket. One
-copy per byte, where a ring costs two on the same cores.
+copy per byte, where a ring costs two on the same cores. The worker splits each
+bucket's reads across its cores (`read_streams` concurrent calls over disjoint
+ranges, `asyncwt._transports.shm.cma.SplitReader`), and the trainer lends the next
+bucket before the last one is acknowledged (up to `num_buffers` in flight), so the
+worker never waits on a round trip between two buckets.
 
 Every other worker, or every worker when the trainer sets `direct_reads=False`,
 uses the bucket ring (see `asyncwt._transports.shm.ring`) in shared memory. On
@@ -38,7 +42,7 @@ import torch
 from ..._core.concurrency import single_error
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
-from ..._core.validate import check_bool, check_u64
+from ..._core.validate import check_bool, check_int_in, check_u64
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
@@ -49,6 +53,7 @@ from ..base import (
     ReceiverTransport,
     Segment,
     SenderTransport,
+    Settle,
 )
 from ..link import Peer
 from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
@@ -85,9 +90,15 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     kernel allows it (one copy instead of two). False keeps every worker on the
     shared ring."""
 
+    read_streams: int = 0
+    """Concurrent reads each direct-reading worker splits a bucket into (disjoint
+    byte ranges, one thread each); 0 lets every worker take one per core it may
+    run on (at most `asyncwt._transports.shm.cma.MAX_STREAMS`)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool("direct_reads", self.direct_reads)
+        check_int_in("read_streams", self.read_streams, 0, _cma.MAX_STREAMS)
 
 
 @dataclass
@@ -106,10 +117,13 @@ class ShmWorkerInitInfo(LinkedWorkerInfo):
     """Where the trainer holds `probe_nonce`, in its own address space."""
     probe_nonce: str = ""
     """The probe's bytes, in hex."""
+    read_streams: int = 0
+    """Concurrent reads per bucket (0: one per core this worker may run on)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_u64("trainer_pid", self.trainer_pid)
+        check_int_in("read_streams", self.read_streams, 0, _cma.MAX_STREAMS)
         check_u64("probe_address", self.probe_address)
         nonce = self.probe_nonce
         if self.trainer_pid and (
@@ -178,6 +192,10 @@ class ShmSender(RingSender):
         if info.direct_reads and _cma.supported():
             self.probe, self._probe_buffer = _cma.ReadProbe.create()
         self.links.direct_reads = self.probe is not None
+        self.read_streams = info.read_streams
+        self.in_flight_buckets = info.num_buffers
+        """Direct rounds lend up to this many buckets before the oldest is read
+        (`send_bucket` returns a `Settle`); ring rounds settle each at once."""
         self.direct = False
         """Whether every worker of this round reads from this process's memory: then
         nothing is packed (`min_view_bytes` 0) and the ring is unused."""
@@ -217,6 +235,7 @@ class ShmSender(RingSender):
                 trainer_pid=self.probe.pid,
                 probe_address=self.probe.address,
                 probe_nonce=self.probe.nonce,
+                read_streams=self.read_streams,
             )
         return fields
 
@@ -264,15 +283,21 @@ class ShmSender(RingSender):
         if not self.direct:  # else send_bucket returned only once every worker had read
             await super().reclaim(slot)
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
+    async def send_bucket(
+        self, bucket: Bucket, slot: int, segments: list[Segment]
+    ) -> Settle | None:
         """Lend `bucket` to the direct readers (its addresses), then announce its ring
-        slot to the ring workers; return once every direct reader has read it.
+        slot to the ring workers.
 
-        The direct readers go first: a ring worker may release the slot as soon as it
-        has applied it, and the next bucket may then be packed into it. Shielded from
-        cancellation, each step bounded by `send_timeout` instead: `segments` may
-        point into the source's tensors, which must stay as they are until read, and
-        a slot announced to only some workers would never be released.
+        In a direct round (every worker reads directly) return at once with a
+        `Settle` that waits for every reader's acknowledgement: the next bucket is
+        lent while this one is read, and the pipeline holds `segments` until then.
+        Otherwise return once every direct reader has read it. The direct readers
+        go first: a ring worker may release the slot as soon as it has applied it,
+        and the next bucket may then be packed into it. Shielded from cancellation,
+        each step bounded by `send_timeout` instead: `segments` may point into the
+        source's tensors, which must stay as they are until read, and a slot
+        announced to only some workers would never be released.
         """
         peers = self.links.peers
         ring_peers = [peer for peer in peers if not peer.reads_directly]
@@ -284,6 +309,13 @@ class ShmSender(RingSender):
             if readers:
                 addresses = struct.pack(f"<{len(segments)}Q", *map(_host_address, segments))
                 await self.links.each(self._lend, bucket, addresses, among=readers)
+                if not ring_peers:
+
+                    async def settle() -> None:
+                        await self.links.each(self._read_back, bucket, among=readers)
+
+                    return settle
+                await self.links.each(self._read_back, bucket, among=readers)
             if ring_peers:
                 header = self.links.frame(
                     FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
@@ -291,14 +323,20 @@ class ShmSender(RingSender):
                 await self.links.each(
                     self.links.send_header, header, f"bucket {bucket.index}", among=ring_peers
                 )
+        return None
 
     async def _lend(self, peer: Peer, bucket: Bucket, addresses: bytes) -> None:
-        """Send `bucket`'s addresses to `peer` and wait for its acknowledgement."""
+        """Send `bucket`'s addresses to `peer`."""
         header = self.links.frame(
             FrameKind.BUCKET_AT, index=bucket.index, nbytes=bucket.payload_bytes
         )
         what = f"bucket {bucket.index}"
         await self.links.send_frame(peer, [memoryview(header.pack()), memoryview(addresses)], what)
+
+    async def _read_back(self, peer: Peer, bucket: Bucket) -> None:
+        """Wait for `peer`'s acknowledgement that it read `bucket` (buckets are read,
+        and acknowledged, in the order they were lent)."""
+        what = f"bucket {bucket.index}"
         frame = await self.links.read_frame(peer, self.release_timeout, f"its read of {what}")
         if frame.kind != FrameKind.RELEASE or frame.index != bucket.index or frame.slot:
             error = self.links.protocol_error(
@@ -337,6 +375,7 @@ class ShmReceiver(RingReceiver):
         self.maps: list[mmap.mmap] = []
         self.pool = pool
         self.trainer_pid = info.trainer_pid
+        self.reader: _cma.SplitReader | None = None
         if info.trainer_pid:
             why = _cma.probe_reads(
                 _cma.ReadProbe(info.trainer_pid, info.probe_address, info.probe_nonce)
@@ -346,6 +385,9 @@ class ShmReceiver(RingReceiver):
         self.reads_directly = self.lands_in_place = why is None
         if why is not None:
             logger.info("asyncwt: shm: this worker reads from the shared ring: %s", why)
+        else:
+            streams = info.read_streams or _cma.default_streams()
+            self.reader = _cma.SplitReader(info.trainer_pid, streams)
 
     def connect(self) -> None:
         super().connect()
@@ -391,7 +433,8 @@ class ShmReceiver(RingReceiver):
                 addresses = struct.unpack(f"<{count}Q", recv_exact(link.sock, 8 * count))
                 buffer, release, views = self.pool.landing(bucket, target)
                 try:
-                    _cma.read_from(self.trainer_pid, views, addresses)
+                    assert self.reader is not None
+                    self.reader.read(views, addresses)
                 except OSError as exc:
                     release()
                     raise TransferError(
@@ -402,6 +445,12 @@ class ShmReceiver(RingReceiver):
                     raise
                 link.send(Frame(FrameKind.RELEASE, round_id, bucket.index, frame.digest, 0, 0))
                 yield ReceivedBucket(bucket, buffer, release)
+
+    def close(self) -> None:
+        super().close()
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
     def unmap_ring(self) -> None:
         for segment in self.segments:

@@ -18,7 +18,14 @@ import torch
 
 from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
-from ..base import InitWorkers, LandingTarget, ReceivedBucket, ReceiverTransport, Segment
+from ..base import (
+    InitWorkers,
+    LandingTarget,
+    ReceivedBucket,
+    ReceiverTransport,
+    Segment,
+    Settle,
+)
 from ..link import LinkedSender, Peer, WorkerLink, connect_link
 from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..wire import Frame, FrameKind
@@ -95,13 +102,16 @@ class RingSender(LinkedSender):
         self.bound.clear()  # bindings of an aborted round are void
         await self.links.wait_ready(round_id, self._on_release)
 
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
+    async def send_bucket(
+        self, bucket: Bucket, slot: int, segments: list[Segment]
+    ) -> Settle | None:
         ring = self.bound.pop(slot)  # from now on `pending` guards the ring slot
         header = self.links.frame(
             FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
         )
         self.pending[ring] = set(self.links.peers)
         await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
+        return None
 
     def close(self) -> None:
         super().close()
