@@ -22,9 +22,11 @@ import torch
 from asyncwt._bench._cli import main
 from asyncwt._bench._cpu import CpuMeter, median_cores
 from asyncwt._bench._floors import gather_wire_floors, transform_floor
+from asyncwt._bench._limits import MemcpyLimit
 from asyncwt._bench._memory import MemoryProbe
 from asyncwt._bench._model import LlamaShape, SyntheticLlama, fill_random, worker_model_for
 from asyncwt._bench._overlap import TransformConfig, set_transform_delay
+from asyncwt._bench._paired import PairedBaselines, headline_limits
 from asyncwt._bench._run import BALANCE_WITHIN, PAIR_ATTEMPTS, _summarize_sweep
 from asyncwt._bench._util import Rounds
 from asyncwt._core.checksum import model_checksum
@@ -52,7 +54,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
 def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str]) -> None:
     report, _ = tiny_run
     assert list(report) == SECTIONS
-    assert set(report["limits"]) == {"memcpy", "raw_loopback"}
+    assert set(report["limits"]) == {"memcpy", "memcpy_2cores", "raw_loopback"}
     assert set(report["peers"]) == {"naive", "gloo", "packed"}
     assert report["meta"]["backends"] == ["tcp"]
     assert set(report["asyncwt"]["tcp"]) == {"direct", "staged"}
@@ -102,7 +104,9 @@ def test_bench_tiny_every_transfer_is_bit_exact(tiny_run: tuple[dict[str, Any], 
 def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]) -> None:
     report, stdout = tiny_run
     direct = report["asyncwt"]["tcp"]["direct"]
-    assert set(direct["vs"]) == {"raw_loopback", "memcpy", "naive", "gloo", "packed"}
+    assert set(direct["vs"]) == {
+        "raw_loopback", "memcpy", "memcpy_2cores", "naive", "gloo", "packed"
+    }  # fmt: skip
     assert {"iterate", "pack", "send"} <= set(direct["stage_busy_s"])
     # Cores each process kept busy (CPU seconds per wall second), on both ends.
     limit = 1.5 * (os.cpu_count() or 1) + 1  # a round of a few ticks rounds up
@@ -129,9 +133,9 @@ def test_bench_tiny_pairs_each_headline_round_with_the_baselines_before_it(
     report, _ = tiny_run
     direct = report["asyncwt"]["tcp"]["direct"]
     paired = direct["paired"]
-    assert set(paired["baselines"]) == {"raw_loopback", "naive"}
-    # The raw loopback pairs with the headline's own rounds, the naive peer with a job
-    # of its own; in blocks of 2 rounds, the second of each block counting.
+    assert set(paired["baselines"]) == {"raw_loopback"}
+    # tcp's limit, one raw loopback stream, pairs with the headline's own rounds, in
+    # blocks of 2 rounds, the second of each block counting.
     assert paired["block"] == 2
     assert paired["asyncwt_s"]["raw_loopback"] == (direct["warmup_s"] + direct["rounds_s"])[3::2]
     for name, base in paired["baselines"].items():
@@ -142,15 +146,55 @@ def test_bench_tiny_pairs_each_headline_round_with_the_baselines_before_it(
         expected = [b / a for b, a in zip(base["rounds_s"], mine, strict=True)]
         assert paired["ratios"][name] == pytest.approx(expected), name
         assert sorted(expected)[len(expected) // 2] == pytest.approx(paired["vs"][name]), name
-    assert paired["baselines"]["naive"]["bit_exact"]
     # The raw rounds use the chunk size that won the raw loopback figure at the start.
     start_variant = report["limits"]["raw_loopback"]["start"]["variant"]
     assert f"{paired['baselines']['raw_loopback']['chunk_bytes'] >> 20}MiB" == start_variant
     bars = {b["bar"]: b for b in report["bars"]}
-    raw_bar = bars["asyncwt tcp end-to-end >= 0.8x raw loopback TCP"]
+    raw_bar = bars["asyncwt tcp end-to-end >= 0.9x one raw loopback TCP stream"]
     assert raw_bar["value"] == pytest.approx(paired["vs"]["raw_loopback"])
-    naive_bar = bars["asyncwt tcp end-to-end >= 3.0x naive per-tensor send"]
-    assert naive_bar["value"] == pytest.approx(paired["vs"]["naive"])
+    assert not [name for name in bars if "naive" in name]  # that bar is retired
+
+
+def test_shm_pairs_its_headline_with_one_and_two_cores_memcpy(tmp_path: Path) -> None:
+    """The baselines of a shm headline are memcpy rounds in this process, one block
+    of each before each block of asyncwt rounds; the bar's limit is one core's."""
+    assert headline_limits("shm") == ("memcpy", "memcpy_2cores")
+    assert headline_limits("tcp") == ("raw_loopback",)
+    model = SyntheticLlama(LlamaShape.for_mib(4))
+    rounds = Rounds(rounds=3, warmup=1)
+    paired = PairedBaselines(
+        model, LlamaShape.for_mib(4), rounds=rounds, raw_chunk=1 << 20,
+        jobs={"direct": headline_limits("shm")}, log_dir=tmp_path,
+    )  # fmt: skip
+    with paired:
+        every = [0.01 * (i + 1) for i in range(paired.job_rounds + rounds.warmup)]
+        for i in range(len(every)):
+            paired.between("direct", i)
+            paired.between("another job", i)  # not paired: nothing runs
+        record = {"warmup_s": every[:1], "rounds_s": every[1:]}
+        result = paired.result({"direct": record}, "")
+    assert set(result["vs"]) == {"memcpy", "memcpy_2cores"}
+    for name, base in result["baselines"].items():
+        assert len(base["rounds_s"]) == len(result["asyncwt_s"][name]) == rounds.rounds
+        assert result["asyncwt_s"][name] == every[1::2][1:]
+        expected = [b / a for b, a in zip(base["rounds_s"], every[1::2][1:], strict=True)]
+        assert result["ratios"][name] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="each baseline to one job only"):
+        PairedBaselines(
+            model, LlamaShape.for_mib(4), rounds=rounds, raw_chunk=1,
+            jobs={"a": ("memcpy",), "b": ("memcpy",)}, log_dir=tmp_path,
+        )  # fmt: skip
+
+
+def test_memcpy_on_two_cores_copies_every_byte_once() -> None:
+    model = SyntheticLlama(LlamaShape.for_mib(4))
+    fill_random(model, 3)
+    limit = MemcpyLimit(model)
+    for cores in (1, 2, 3):
+        limit._dst.zero_()
+        assert limit.round_s(cores) > 0
+        flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
+        assert torch.equal(limit._dst, flat), cores
 
 
 @pytest.mark.timeout(300)

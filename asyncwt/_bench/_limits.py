@@ -9,7 +9,9 @@ on the same byte count:
   framing, no packing: the best a plain socket does. Two chunk sizes are tried
   and the faster counts.
 - *memcpy*: one thread (`torch.set_num_threads(1)`) copies every parameter's bytes
-  into an already-touched buffer, as a pack stage would.
+  into an already-touched buffer, as a pack stage would; *memcpy, 2 cores*: the
+  same bytes cut in two halves, copied by two threads at once (what a one-host
+  transport that keeps two cores copying could reach).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import functools
 import socket
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +34,14 @@ from ._cpu import CpuMeter, median_cores
 from ._procs import READY, Child, connect_child
 from ._util import IO_TIMEOUT_S, Rounds, recv_exact, recv_into_all
 
-__all__ = ["RAW_CHUNKS", "RawLoopback", "measure_memcpy", "measure_raw_loopback", "raw_sender"]
+__all__ = [
+    "RAW_CHUNKS",
+    "MemcpyLimit",
+    "RawLoopback",
+    "measure_memcpy",
+    "measure_raw_loopback",
+    "raw_sender",
+]
 
 RAW_CHUNKS = (1 << 20, 4 << 20)
 """Chunk sizes (bytes per `sendall`/`recv_into`) tried for raw loopback."""
@@ -39,26 +49,63 @@ RAW_CHUNKS = (1 << 20, 4 << 20)
 _GO = struct.Struct("!cI")
 
 
-def measure_memcpy(model: torch.nn.Module, rounds: Rounds) -> dict[str, Any]:
-    """Single-thread copy of every parameter into a touched buffer of the model's size."""
-    params = [p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()]
-    total = sum(p.numel() for p in params)
-    dst = empty_bytes(total)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+class MemcpyLimit:
+    """Copies of every parameter's bytes into one touched buffer of the model's size,
+    on one thread or on `cores` threads at once (each a contiguous share of the
+    bytes, about equal). Every copy runs with one torch thread."""
 
-        def one() -> float:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = [p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()]
+        self.total = sum(p.numel() for p in self._params)
+        self._dst = empty_bytes(self.total)
+
+    def _shares(self, cores: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(destination, source) runs of every parameter, cut into `cores` shares."""
+        shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(cores)]
+        offset = 0
+        for p in self._params:
+            done = 0
+            while done < p.numel():
+                share = min(cores - 1, offset * cores // max(1, self.total))
+                end = (share + 1) * self.total // cores
+                take = min(p.numel() - done, max(1, end - offset))
+                dst = self._dst[offset : offset + take]
+                shares[share].append((dst, p[done : done + take]))
+                done += take
+                offset += take
+        return shares
+
+    def round_s(self, cores: int = 1) -> float:
+        """One copy of every byte on `cores` threads (this one among them); seconds."""
+        shares = self._shares(cores)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            helpers = [
+                threading.Thread(target=_copy_all, args=(share,), name=f"memcpy-{i}")
+                for i, share in enumerate(shares[1:], start=1)
+            ]
             start = time.perf_counter()
-            offset = 0
-            for p in params:
-                dst[offset : offset + p.numel()].copy_(p)
-                offset += p.numel()
+            for helper in helpers:
+                helper.start()
+            _copy_all(shares[0])
+            for helper in helpers:
+                helper.join()
             return time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
 
-        return rounds.measure(one, total)
-    finally:
-        torch.set_num_threads(threads)
+
+def _copy_all(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in runs:
+        dst.copy_(src)
+
+
+def measure_memcpy(model: torch.nn.Module, rounds: Rounds, cores: int = 1) -> dict[str, Any]:
+    """Copy of every parameter into a touched buffer of the model's size, on `cores`
+    threads at once."""
+    limit = MemcpyLimit(model)
+    return rounds.measure(functools.partial(limit.round_s, cores), limit.total, cores=cores)
 
 
 def measure_raw_loopback(

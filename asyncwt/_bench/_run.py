@@ -41,7 +41,7 @@ from ._overlap import (
     set_transform_delay,
     transform_jobs,
 )
-from ._paired import PairedBaselines
+from ._paired import PairedBaselines, headline_limits
 from ._peers import PEERS, measure_peer
 from ._procs import Child, start_asyncwt_worker
 from ._util import Rounds
@@ -198,8 +198,9 @@ def _run_bench(settings: BenchSettings, log: Log) -> dict[str, Any]:
         "sweep": {},
     }
 
-    log("limits: single-thread memcpy")
+    log("limits: memcpy, one thread and two")
     report["limits"]["memcpy"] = measure_memcpy(model, rounds)
+    report["limits"]["memcpy_2cores"] = measure_memcpy(model, rounds, cores=2)
     log("limits: raw loopback TCP")
     raw_start = measure_raw_loopback(nbytes, rounds, log_dir, settings.child_env())
     report["limits"]["raw_loopback"] = raw_start
@@ -367,8 +368,9 @@ def _headline(
     env: dict[str, str],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """1. The default configuration against a plain worker (the headline), each round
-    paired with a raw loopback round run right before it; again, paired with naive
-    rounds; then the sweep. The headline record and the sweep's."""
+    paired with the rounds of the backend's limits run right before it (raw loopback
+    TCP; one and two cores' memcpy for shm, see `headline_limits`); then the sweep.
+    The headline record and the sweep's."""
     name = backend.name
     worker, url = start_asyncwt_worker(
         backend=name, log_dir=log_dir, env=env, apply_threads=settings.apply_threads,
@@ -380,7 +382,8 @@ def _headline(
     paired = PairedBaselines(
         model, shape, rounds=headline_rounds,
         raw_chunk=int(report["limits"]["raw_loopback"]["chunk_bytes"]),
-        naive="naive" in settings.peers, log_dir=log_dir, env=settings.child_env(),
+        jobs={PairedBaselines.RAW_JOB: headline_limits(name)}, log_dir=log_dir,
+        env=settings.child_env(),
     )  # fmt: skip
     with worker, paired:
         jobs = [
@@ -400,7 +403,8 @@ def _headline(
             ]
         log(
             f"asyncwt {name}: default configuration (direct landing), paired round for round "
-            f"with {' and '.join(paired.jobs.values())}, then {len(jobs) - len(paired.jobs)} "
+            f"with {' and '.join(n for names in paired.jobs.values() for n in names)}, then "
+            f"{len(jobs) - len(paired.jobs)} "
             f"sweep runs, against {url}"
         )
         records = trainer(worker, url, jobs, between_rounds=paired.between)
@@ -408,10 +412,6 @@ def _headline(
         sweep_direct = records[len(headline) :]
         direct = headline[PairedBaselines.RAW_JOB]
         direct["paired"] = paired.result(headline, report["meta"]["trainer_checksum"])
-        if PairedBaselines.NAIVE_JOB in headline:
-            direct["bit_exact"] = (
-                direct["bit_exact"] and headline[PairedBaselines.NAIVE_JOB]["bit_exact"]
-            )
     return direct, sweep_direct
 
 
