@@ -213,6 +213,20 @@ def test_the_overlap_pairs_script_runs_each_pair(tmp_path: Path) -> None:
     assert all("x the slower alone" in line for line in lines)
 
 
+@pytest.mark.timeout(300)
+def test_the_shm_streams_script_pairs_each_count_with_memcpy(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "shm_streams.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny", "--reps", "1", "--rounds", "3",
+         "--streams", "3", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["shm rep 0 read_streams 3"]
+    assert all("x one core's memcpy" in line and "bit-exact yes" in line for line in lines)
+
+
 def test_the_overlap_pairs_script_names_a_pair_it_does_not_know() -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
     proc = subprocess.run(

@@ -68,6 +68,9 @@ class EngineConfig:
     """Buckets in flight per side."""
     zero_copy: bool = True
     """Send contiguous CPU tensors in place (False: pack every bucket, as from a GPU)."""
+    read_streams: int = 0
+    """shm only: concurrent reads per bucket on a direct-reading worker (0: one per
+    core it may run on); backends without the setting ignore it."""
 
     @property
     def budget_bytes(self) -> int:
@@ -79,6 +82,7 @@ class EngineConfig:
             "bucket_bytes": self.bucket_bytes,
             "num_buffers": self.num_buffers,
             "zero_copy": self.zero_copy,
+            "read_streams": self.read_streams,
             "budget_bytes": self.budget_bytes,
         }
 
@@ -109,6 +113,8 @@ class BackendEntry:
         }
         if "host" in names:
             kwargs["host"] = "127.0.0.1"
+        if "read_streams" in names:
+            kwargs["read_streams"] = config.read_streams
         info: TrainerInitInfo = cls(**kwargs)
         return info
 
