@@ -40,6 +40,7 @@ from asyncwt._core.plan import TransferPlan
 from asyncwt._transports.link import Peer, WorkerLink
 from asyncwt._transports.shm.backend import ShmReceiver, ShmSender
 from asyncwt._transports.shm.cma import (
+    DEFAULT_STREAMS,
     MAX_STREAMS,
     PROBE_BYTES,
     ReadProbe,
@@ -177,7 +178,8 @@ def test_split_reader_settings_are_checked_and_its_threads_stop() -> None:
     for bad in (0, MAX_STREAMS + 1, 2.0):
         with pytest.raises(ValueError, match=rf"^streams should be an int in \[1, {MAX_STREAMS}\]"):
             SplitReader(os.getpid(), bad)  # type: ignore[arg-type]
-    assert 1 <= default_streams() <= MAX_STREAMS
+    cores = len(os.sched_getaffinity(0))
+    assert default_streams() == max(1, min(DEFAULT_STREAMS, cores))
     source, dest, local, remote = _scattered([3 << 20])
     reader = SplitReader(os.getpid(), 4, min_stream_bytes=1 << 20)
     reader.read(local, remote)

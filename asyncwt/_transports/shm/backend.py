@@ -92,8 +92,9 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
     read_streams: int = 0
     """Concurrent reads each direct-reading worker splits a bucket into (disjoint
-    byte ranges, one thread each); 0 lets every worker take one per core it may
-    run on (at most `asyncwt._transports.shm.cma.MAX_STREAMS`)."""
+    byte ranges, one thread each), at most `asyncwt._transports.shm.cma.MAX_STREAMS`;
+    0 lets every worker take one per core it may run on, up to
+    `asyncwt._transports.shm.cma.DEFAULT_STREAMS`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,7 +119,8 @@ class ShmWorkerInitInfo(LinkedWorkerInfo):
     probe_nonce: str = ""
     """The probe's bytes, in hex."""
     read_streams: int = 0
-    """Concurrent reads per bucket (0: one per core this worker may run on)."""
+    """Concurrent reads per bucket (0: one per core this worker may run on, up to
+    `asyncwt._transports.shm.cma.DEFAULT_STREAMS`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_STREAMS",
     "MAX_STREAMS",
     "MIN_STREAM_BYTES",
     "PROBE_BYTES",
@@ -55,6 +56,8 @@ _IOV_MAX = 1024
 """The most iovecs one call takes (`UIO_MAXIOV`)."""
 MAX_STREAMS = 8
 """The most concurrent reads one `SplitReader` runs."""
+DEFAULT_STREAMS = 4
+"""The most a worker takes by default (`default_streams`)."""
 MIN_STREAM_BYTES = 1 << 20
 """A read is split only into ranges of at least this many bytes: below it a thread
 hand-off costs more than the second core saves."""
@@ -238,12 +241,14 @@ class SplitReader:
 
 
 def default_streams() -> int:
-    """Concurrent reads for a worker that was told none: one per core it may run on."""
+    """Concurrent reads for a worker that was told none: one per core it may run on,
+    at most `DEFAULT_STREAMS` (several workers of one host share its memory
+    bandwidth, which a few streams each already fill)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_STREAMS, cores))
+    return max(1, min(DEFAULT_STREAMS, cores))
 
 
 def holds_peer_of(pid: int, sock: socket.socket) -> bool:
