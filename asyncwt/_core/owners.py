@@ -62,9 +62,7 @@ class Box:
 
     def within(self, outer: Box) -> tuple[slice, ...]:
         """Index of this box inside `outer` (a tensor holding `outer`'s elements)."""
-        return tuple(
-            slice(s - o, s - o + n) for s, n, o in zip(self.start, self.size, outer.start)
-        )
+        return tuple(slice(s - o, s - o + n) for s, n, o in zip(self.start, self.size, outer.start))
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +241,7 @@ class OwnersLayout:
                 else [
                     list(m.owners),
                     list(m.mesh_shape or ()),
-                    None
-                    if m.placements is None
-                    else [_encode_placement(p) for p in m.placements],
+                    None if m.placements is None else [_encode_placement(p) for p in m.placements],
                 ]
                 for m in self.plan.params
             ],
@@ -262,7 +258,9 @@ class OwnersLayout:
             raise ValueError(f"owners should be a dict, got {type(data).__name__}")
         world_size = data.get("world_size")
         if not isinstance(world_size, int) or not 1 <= world_size <= MAX_SENDERS:
-            raise ValueError(f"owners.world_size should be in [1, {MAX_SENDERS}], got {world_size!r}")
+            raise ValueError(
+                f"owners.world_size should be in [1, {MAX_SENDERS}], got {world_size!r}"
+            )
         raw = data.get("params")
         if not isinstance(raw, list) or len(raw) != len(plan.params):
             got = len(raw) if isinstance(raw, list) else type(raw).__name__
@@ -336,9 +334,7 @@ def _runs(box: Box, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     return run, tuple(offsets)
 
 
-def full_slices(
-    piece: SharePiece, meta: ParamMeta, share_slice: Slice, param: int
-) -> list[Slice]:
+def full_slices(piece: SharePiece, meta: ParamMeta, share_slice: Slice, param: int) -> list[Slice]:
     """Where the piece bytes of `share_slice` go in the full parameter `param`: one
     `Slice` per contiguous run (its `offset` in the share bucket's buffer)."""
     itemsize = meta.dtype.itemsize
