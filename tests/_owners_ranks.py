@@ -243,3 +243,62 @@ def owners_scenarios(rank: int, world_size: int, port: int, out_dir: str) -> Non
         dist.destroy_process_group()
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(results, f)
+
+
+def failing_share(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Round 2 fails on rank 1 (its shard disagrees with the metadata); rounds 1 and 3
+    succeed: the worker keeps v1 through the failure, then takes v3 bit for bit."""
+    import anyio
+    import torch.distributed as dist
+
+    import asyncwt
+    from asyncwt import LocalClient, ModuleSource, trainer_init
+
+    _dist._init(rank, world_size, port)
+    model, plain = _fsdp2(world_size)
+    armed = {"on": False}
+
+    class Source(ModuleSource):
+        def iter_local(self) -> Any:
+            for name, tensor in super().iter_local():
+                if armed["on"] and rank == 1 and name == "2.weight":
+                    tensor = tensor[:-1]
+                yield name, tensor
+
+    record: dict[str, Any] = {"rounds": []}
+
+    async def main() -> None:
+        workers = []
+        if rank == 0:
+            worker_model = copy.deepcopy(plain)
+            config = asyncwt.WeightTransferConfig(backend="tcp")
+            workers.append(asyncwt.create_worker_engine(config, model=worker_model))
+        client: Any = LocalClient(workers) if rank == 0 else _NoClient()
+        info = asyncwt.TcpTrainerInitInfo(rank=rank, bucket_bytes=64, senders="owners")
+        engine = await trainer_init(info, client=client, source=Source(model))
+        async with engine:
+            for r in (1, 2, 3):
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.mul_(-1.5).add_(r)
+                armed["on"] = r == 2
+                row: dict[str, Any] = {}
+                try:
+                    await engine.send_weights(weight_version=f"v{r}")
+                    row["error"] = None
+                except Exception as exc:  # noqa: BLE001 - recorded for the parent
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                reference = _gathered(model)
+                if rank == 0:
+                    row["version"] = workers[0].weight_version
+                    row["exact"] = _equal(workers[0].model, reference)
+                record["rounds"].append(row)
+        for w in workers:
+            w.shutdown()
+
+    try:
+        anyio.run(main)
+    finally:
+        dist.destroy_process_group()
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(record, f)

@@ -9,6 +9,7 @@ over two rounds; and prove the owners engine never gathers. The layout itself
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,21 @@ def _check(results: list[Any], name: str, world: int) -> None:
         assert sum(1 for s in shares if s) > 1, f"only one rank sent: {shares}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("world", "scenarios"),
+    [(2, ["fsdp2", "tensor_parallel"]), (4, ["fsdp2", "tensor_parallel", "mesh_2d"])],
+)
 def test_owner_senders_are_bit_exact_and_never_gather(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, scenarios: list[str]
 ) -> None:
-    results = _run(tmp_path, world, monkeypatch, ASYNCWT_TEST_BACKEND="tcp")
-    for name in _owners_ranks.SCENARIOS:
+    results = _run(
+        tmp_path,
+        world,
+        monkeypatch,
+        ASYNCWT_TEST_BACKEND="tcp",
+        ASYNCWT_TEST_SCENARIOS=",".join(scenarios),
+    )
+    for name in scenarios:
         _check(results, name, world)
 
 
@@ -60,9 +70,9 @@ def test_owner_senders_over_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         2,
         monkeypatch,
         ASYNCWT_TEST_BACKEND="shm",
-        ASYNCWT_TEST_SCENARIOS="fsdp2,tensor_parallel",
+        ASYNCWT_TEST_SCENARIOS="tensor_parallel",
     )
-    for name in ("fsdp2", "tensor_parallel"):
+    for name in ("tensor_parallel",):
         _check(results, name, 2)
 
 
@@ -137,3 +147,43 @@ def test_layout_digest_covers_ownership_and_wire_round_trips() -> None:
         OwnersLayout.from_wire(bare, {**a.to_wire(), "params": [[[0, 1], [2], ["x"]]]})
     with pytest.raises(ValueError, match="world_size"):
         OwnersLayout.from_wire(bare, {**a.to_wire(), "world_size": 10**9})
+
+
+def test_a_rank_whose_shard_disagrees_fails_the_round_and_nothing_is_published(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = _dist.run_ranks(_owners_ranks.failing_share, 2, tmp_path, timeout_s=120)
+    first, failed, recovered = rank0["rounds"]
+    assert first["error"] is None and first["version"] == "v1"
+    assert rank1["rounds"][0]["error"] is None
+    why = rank1["rounds"][1]["error"]
+    assert why is not None and "'2.weight'" in why and "rank 1" in why, why
+    assert failed["error"] is not None  # rank 0 learns it from the workers
+    assert failed["version"] == "v1"  # nothing published
+    assert recovered["error"] is None and rank1["rounds"][2]["error"] is None
+    assert recovered["version"] == "v3" and all(recovered["exact"].values())
+
+
+def test_share_source_names_the_parameter_and_rank_of_a_bad_shard() -> None:
+    from asyncwt import WeightSource
+    from asyncwt._core.errors import SourceMismatchError
+    from asyncwt._trainer.owners import ShareSource
+
+    meta = ParamMeta("w", torch.float32, (5, 2), owners=(0, 1), placements=(Shard(0),))
+    layout = OwnersLayout.build(TransferPlan.build([meta]), 2)
+
+    class Local(WeightSource):
+        @functools.cached_property
+        def metadata(self) -> list[ParamMeta]:
+            return [meta]
+
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
+
+        def iter_local(self) -> Any:
+            yield "w", torch.zeros(self.rows, 2)
+
+    good = list(ShareSource(Local(2), layout, 1).iter_full())
+    assert [(n, tuple(t.shape)) for n, t in good] == [("w", (2, 2))]
+    with pytest.raises(SourceMismatchError, match=r"'w' on rank 1.*\(3, 2\).*\(2, 2\)"):
+        list(ShareSource(Local(3), layout, 1).iter_full())
