@@ -67,6 +67,16 @@ PRESETS = {
 """`quick`: two workers (and two FSDP2 ranks), a 16 MiB model, 1 Gbit/s: CI-sized."""
 
 
+def _senders(text: str) -> tuple[str, ...]:
+    modes = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [m for m in modes if m not in ("rank0", "owners")]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"--senders should list rank0 and/or owners, comma-separated, got {text!r}"
+        )
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncwt bench --cluster",
@@ -96,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_counts,
         metavar="A,B,...",
         help="FSDP2 trainer rank counts M, each to M workers (default 1,2,4; empty: none)",
+    )
+    parser.add_argument(
+        "--senders",
+        type=_senders,
+        metavar="S,...",
+        help="who sends in the FSDP2 scenarios: rank0 (gathers, today's default), owners "
+        "(every rank its own shards), or both: rank0,owners (default rank0)",
     )
     parser.add_argument(
         "--rates",
@@ -184,6 +201,7 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
         "model_mib": args.model_mib,
         "workers": args.workers,
         "ranks": args.ranks,
+        "senders": args.senders,
         "rates_bps": args.rates,
         "cpu_bound_cores": args.cpu_bound_cores,
     }
