@@ -302,3 +302,44 @@ def failing_share(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
+
+
+def init_fails_on_one_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Rank 1 cannot listen (its port is taken): every rank's trainer_init fails, none
+    hangs, and rank 0's error names rank 1."""
+    import socket
+
+    import anyio
+    import torch.distributed as dist
+
+    import asyncwt
+    from asyncwt import LocalClient, ModuleSource, trainer_init
+
+    _dist._init(rank, world_size, port)
+    model, plain = _fsdp2(world_size)
+    taken = socket.create_server(("127.0.0.1", 0))
+    listen = taken.getsockname()[1] if rank == 1 else 0
+    record: dict[str, Any] = {}
+
+    async def main() -> None:
+        workers = []
+        if rank == 0:
+            config = asyncwt.WeightTransferConfig(backend="tcp")
+            workers.append(asyncwt.create_worker_engine(config, model=copy.deepcopy(plain)))
+        client: Any = LocalClient(workers) if rank == 0 else _NoClient()
+        info = asyncwt.TcpTrainerInitInfo(rank=rank, port=listen, senders="owners")
+        try:
+            await trainer_init(info, client=client, source=ModuleSource(model))
+            record["error"] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the parent
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        for w in workers:
+            w.shutdown()
+
+    try:
+        anyio.run(main)
+    finally:
+        taken.close()
+        dist.destroy_process_group()
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(record, f)

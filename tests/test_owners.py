@@ -187,3 +187,9 @@ def test_share_source_names_the_parameter_and_rank_of_a_bad_shard() -> None:
     assert [(n, tuple(t.shape)) for n, t in good] == [("w", (2, 2))]
     with pytest.raises(SourceMismatchError, match=r"'w' on rank 1.*\(3, 2\).*\(2, 2\)"):
         list(ShareSource(Local(3), layout, 1).iter_full())
+
+
+def test_an_init_failure_on_one_rank_fails_every_rank_without_hanging(tmp_path: Path) -> None:
+    rank0, rank1 = _dist.run_ranks(_owners_ranks.init_fails_on_one_rank, 2, tmp_path)
+    assert rank1["error"] is not None and "Address already in use" in rank1["error"]
+    assert rank0["error"] is not None and "rank 1" in rank0["error"], rank0["error"]

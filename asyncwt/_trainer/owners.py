@@ -198,14 +198,19 @@ async def owners_trainer_init(
     )
     engine.round_digest = layout.digest
     engine.round_total_bytes = layout.total_bytes
-    transport = cls.make_transport(init_info, share, device)
     exchange = await anyio.to_thread.run_sync(_Exchange)
     fields = {"plan": share.to_wire(), **init_info.worker_fields(), "trainer_id": engine.trainer_id}
+    joined = False  # whether this rank reached the endpoint exchange
 
     async def init_workers(mine: dict[str, Any]) -> None:
+        nonlocal joined
+        joined = True
         everyone = await anyio.to_thread.run_sync(exchange.all, mine)
         ok = rank != 0
         try:
+            failed = [e["failed"] for e in everyone if "failed" in e]
+            if failed:
+                raise TransferError(f"senders='owners' init failed on other ranks: {failed}")
             if rank == 0:
                 owners = {**layout.to_wire(), "senders": everyone}
                 top = {**mine, "plan": full.to_wire(), "owners": owners}
@@ -226,20 +231,36 @@ async def owners_trainer_init(
                 f"senders='owners' init failed"
             )
 
+    transport: SenderTransport | None = None
+    error: BaseException | None = None
     try:
+        transport = cls.make_transport(init_info, share, device)
+        await transport.rendezvous(fields, init_workers)
+    except BaseException as exc:  # noqa: BLE001 - re-raised after the exchanges below
+        error = exc
+    # Every rank runs the same exchanges whatever happened here, so that a rank that
+    # failed before its endpoint existed fails the others instead of leaving them
+    # blocked in a collective.
+    with anyio.CancelScope(shield=True):
         try:
-            await transport.rendezvous(fields, init_workers)
-            counts = await anyio.to_thread.run_sync(exchange.all, transport.num_workers)
+            if error is not None and not joined:
+                why = f"rank {rank}: {type(error).__name__}: {error}"
+                await anyio.to_thread.run_sync(exchange.all, {"failed": why})
+                await anyio.to_thread.run_sync(exchange.all, False)
+            count = -1 if error is not None or transport is None else transport.num_workers
+            counts = await anyio.to_thread.run_sync(exchange.all, count)
         finally:
             await anyio.to_thread.run_sync(exchange.close)
-        if len(set(counts)) != 1:
-            raise TransferError(
-                f"rank {rank}: the workers connected to the ranks unevenly (workers per rank: "
-                f"{counts}); every worker must reach every rank"
-            )
-    except BaseException:
-        transport.close()
-        raise
+    if error is None and len(set(counts)) != 1:
+        error = TransferError(
+            f"rank {rank}: not every rank was initialised with the same workers (workers per "
+            f"rank, -1 where init failed: {counts}); every worker must reach every rank"
+        )
+    if error is not None:
+        if transport is not None:
+            transport.close()
+        raise error
+    assert transport is not None
     engine.transport = transport
     return engine
 
