@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -200,6 +201,9 @@ def _scenario(rank: int, world: int, name: str, backend: str) -> dict[str, Any]:
             w.shutdown()
 
     anyio.run(main)
+    record["receive_threads_left"] = [
+        t.name for t in threading.enumerate() if t.name.startswith("asyncwt-owner")
+    ]
     return record
 
 

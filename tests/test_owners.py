@@ -34,6 +34,7 @@ def _check(results: list[Any], name: str, world: int) -> None:
     for rank, record in enumerate(per_rank):
         assert "error" not in record, f"rank {rank}:\n{record.get('error')}"
         assert record["gather_calls"] == [], f"rank {rank} gathered: {record['gather_calls']}"
+        assert record["receive_threads_left"] == []
     rounds = per_rank[0]["rounds"]
     assert len(rounds) == _owners_ranks.ROUNDS
     for r, row in enumerate(rounds, start=1):
@@ -193,3 +194,32 @@ def test_an_init_failure_on_one_rank_fails_every_rank_without_hanging(tmp_path: 
     rank0, rank1 = _dist.run_ranks(_owners_ranks.init_fails_on_one_rank, 2, tmp_path)
     assert rank1["error"] is not None and "Address already in use" in rank1["error"]
     assert rank0["error"] is not None and "rank 1" in rank0["error"], rank0["error"]
+
+
+def test_a_worker_refuses_a_malformed_owner_layout_before_connecting() -> None:
+    import asyncwt
+
+    meta = ParamMeta("w", torch.float32, (4, 2), owners=(0, 1), placements=(Shard(0),))
+    layout = OwnersLayout.build(TransferPlan.build([meta]), 2)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4, 2))
+    engine = asyncwt.create_worker_engine(asyncwt.WeightTransferConfig(backend="tcp"), model=model)
+    bare = TransferPlan.build([ParamMeta("w", torch.float32, (4, 2))])
+    # Port 9 (discard) on loopback: nothing listens, so a connect attempt would fail loudly.
+    endpoint = {"host": "127.0.0.1", "port": 9, "token": "t" * 32}
+    good = {**layout.to_wire(), "senders": [endpoint, endpoint]}
+
+    def init(owners: object) -> None:
+        info = engine.parse_init_info({**endpoint, "plan": bare.to_wire(), "owners": owners})
+        engine.init_transfer_engine(info)
+
+    with pytest.raises(ValueError, match="digest"):
+        init({**good, "digest": "0" * 64})
+    with pytest.raises(ValueError, match="senders should list the 2"):
+        init({**good, "senders": [endpoint]})
+    with pytest.raises(ValueError, match=r"senders\[1\] should be a dict"):
+        init({**good, "senders": [endpoint, {**endpoint, "plan": bare.to_wire()}]})
+    with pytest.raises(ValueError, match="owners should be a dict"):
+        init([1, 2])
+    assert engine.receiver is None  # nothing was connected
+    engine.shutdown()

@@ -212,7 +212,10 @@ async def owners_trainer_init(
             if failed:
                 raise TransferError(f"senders='owners' init failed on other ranks: {failed}")
             if rank == 0:
-                owners = {**layout.to_wire(), "senders": everyone}
+                # Each worker derives every rank's share plan from the layout: only the
+                # endpoints travel (a plan per rank would multiply the init's size).
+                endpoints = [{k: v for k, v in e.items() if k != "plan"} for e in everyone]
+                owners = {**layout.to_wire(), "senders": endpoints}
                 top = {**mine, "plan": full.to_wire(), "owners": owners}
                 await bounded_call(
                     client,

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._core.errors import PlanMismatchError
 from .._core.owners import MAX_SENDERS, OwnersLayout, full_slices
 from .._core.plan import Bucket, TransferPlan
 from .._transports.base import ReceivedBucket, ReceiverTransport
@@ -144,8 +143,9 @@ class OwnersReceiver(ReceiverTransport):
 def owners_receiver(engine: DeferredWorkerEngine, info: Any) -> tuple[OwnersReceiver, TransferPlan]:
     """The receiver for an init with owner senders, and the plan rounds name.
 
-    Validates the layout (its digest included) and every rank's init fields with
-    the backend's own init info class before anything is allocated or connected.
+    Validates the layout (its digest included: it covers every rank's share plan)
+    and every rank's endpoint fields with the backend's own init info class before
+    anything is allocated or connected.
     """
     plan: TransferPlan = info.transfer_plan
     owners = info.owners
@@ -160,16 +160,15 @@ def owners_receiver(engine: DeferredWorkerEngine, info: Any) -> tuple[OwnersRece
     assert layout.world_size <= MAX_SENDERS
     rank_infos = []
     for rank, fields in enumerate(senders):
-        if not isinstance(fields, dict) or "owners" in fields:
-            raise ValueError(f"owners.senders[{rank}] should be a dict of one rank's endpoint")
-        rank_info = engine.parse_init_info(fields)
-        share = layout.share_plans[rank]
-        if rank_info.transfer_plan.digest != share.digest:
-            raise PlanMismatchError(
-                f"trainer rank {rank}'s share plan {rank_info.transfer_plan.digest[:16]}… "
-                f"differs from the one derived here ({share.digest[:16]}…)"
+        if not isinstance(fields, dict) or "owners" in fields or "plan" in fields:
+            raise ValueError(
+                f"owners.senders[{rank}] should be a dict of one rank's endpoint (without "
+                f"'plan' or 'owners': its share plan is derived from the layout)"
             )
-        rank_infos.append(rank_info)
+        # The rank's share plan as derived here (the layout's digest covers it).
+        rank_infos.append(
+            engine.parse_init_info({**fields, "plan": layout.share_plans[rank].to_wire()})
+        )
     receivers = [
         engine.make_receiver(rank_info, layout.share_plans[rank])
         for rank, rank_info in enumerate(rank_infos)
