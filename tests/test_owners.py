@@ -223,3 +223,39 @@ def test_a_worker_refuses_a_malformed_owner_layout_before_connecting() -> None:
         init([1, 2])
     assert engine.receiver is None  # nothing was connected
     engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_owner_senders_refuse_other_backends_topologies_and_sources() -> None:
+    import asyncwt
+    from asyncwt import trainer_init
+
+    source = asyncwt.ModuleSource(torch.nn.Linear(2, 2))
+    client = _Unused()
+    with pytest.raises(ValueError, match="tcp and shm backends, got backend='torch_dist'"):
+        info: Any = asyncwt.TorchDistTrainerInitInfo(rank=0, senders="owners")
+        await trainer_init(info, client=client, source=source)
+    chain = asyncwt.TcpTrainerInitInfo(rank=0, senders="owners")
+    object.__setattr__(chain, "topology", "chain")  # the relay chain's option, where it exists
+    with pytest.raises(ValueError, match="does not work with topology='chain'"):
+        await trainer_init(chain, client=client, source=source)
+    with pytest.raises(ValueError, match="torch.distributed initialised"):
+        await trainer_init(
+            asyncwt.TcpTrainerInitInfo(rank=0, senders="owners"), client=client, source=source
+        )
+    with pytest.raises(ValueError, match="senders should be 'rank0' or 'owners', got 'all'"):
+        asyncwt.TcpTrainerInitInfo(rank=0, senders="all")
+
+
+class _Unused:
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        raise AssertionError("not called")
+
+    async def start_weight_update(self) -> None:
+        raise AssertionError("not called")
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        raise AssertionError("not called")
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        raise AssertionError("not called")
