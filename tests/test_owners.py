@@ -231,7 +231,7 @@ async def test_owner_senders_refuse_other_backends_topologies_and_sources() -> N
     from asyncwt import trainer_init
 
     source = asyncwt.ModuleSource(torch.nn.Linear(2, 2))
-    client = _Unused()
+    client = _owners_ranks._NoClient()
     with pytest.raises(ValueError, match="tcp and shm backends, got backend='torch_dist'"):
         info: Any = asyncwt.TorchDistTrainerInitInfo(rank=0, senders="owners")
         await trainer_init(info, client=client, source=source)
@@ -245,17 +245,3 @@ async def test_owner_senders_refuse_other_backends_topologies_and_sources() -> N
         )
     with pytest.raises(ValueError, match="senders should be 'rank0' or 'owners', got 'all'"):
         asyncwt.TcpTrainerInitInfo(rank=0, senders="all")
-
-
-class _Unused:
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        raise AssertionError("not called")
-
-    async def start_weight_update(self) -> None:
-        raise AssertionError("not called")
-
-    async def update_weights(self, update_info: dict[str, Any]) -> None:
-        raise AssertionError("not called")
-
-    async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        raise AssertionError("not called")
