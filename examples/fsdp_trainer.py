@@ -16,9 +16,13 @@ What it shows:
   global shapes, and each tensor is gathered only when it is sent;
 - verification: after each round, every rank computes the checksum of the full
   model (a collective) and rank 0 compares it with the worker's
-  (`HttpClient.weights_status()`, the worker's `GET /weights_status`).
+  (`HttpClient.weights_status()`, the worker's `GET /weights_status`);
+- `--senders owners`: no gather at all; every rank sends its own shards
+  (`iter_local()`) over its own connection to the worker, and rank 0 still makes
+  the control-plane calls (`RoundStats.bytes` is each rank's share,
+  `RoundStats.total_bytes` the round's).
 
-Run it: `python examples/fsdp_trainer.py [--steps N]` (CPU, ~10 seconds).
+Run it: `python examples/fsdp_trainer.py [--steps N] [--senders owners]` (CPU, ~10 seconds).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def make_model() -> nn.Sequential:
     )
 
 
-def run_rank(rank: int, url: str, port: int, steps: int) -> None:
+def run_rank(rank: int, url: str, port: int, steps: int, senders: str) -> None:
     """One trainer rank (the entry point of each spawned process)."""
     dist.init_process_group(
         "gloo",
@@ -69,16 +73,16 @@ def run_rank(rank: int, url: str, port: int, steps: int) -> None:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        anyio.run(train, rank, model, url, steps)
+        anyio.run(train, rank, model, url, steps, senders)
     finally:
         dist.destroy_process_group()
 
 
-async def train(rank: int, model: nn.Module, url: str, steps: int) -> None:
+async def train(rank: int, model: nn.Module, url: str, steps: int, senders: str) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(rank)  # each rank trains on its own data
     async with HttpClient(url) as client:  # only rank 0's is ever called
-        info = TcpTrainerInitInfo(rank=rank, bucket_bytes=64 << 10)
+        info = TcpTrainerInitInfo(rank=rank, bucket_bytes=64 << 10, senders=senders)
         engine = await trainer_init(info, client=client, source=ModuleSource(model))
         async with engine:
             for step in range(1, steps + 1):
@@ -92,15 +96,20 @@ async def train(rank: int, model: nn.Module, url: str, steps: int) -> None:
                 stats = await engine.send_weights(weight_version=version)  # on every rank
                 checksum = model_checksum(model)  # gathers every parameter: every rank calls it
                 if rank != 0:
-                    if stats.bytes != 0:
-                        raise SystemExit(f"rank {rank} sent {stats.bytes} bytes; only rank 0 sends")
+                    if (stats.bytes != 0) != (senders == "owners"):
+                        raise SystemExit(f"rank {rank} sent {stats.bytes} bytes ({senders=})")
                     continue
                 (status,) = await client.weights_status()
                 if (status["weight_version"], status["checksum"]) != (version, checksum):
                     raise SystemExit(f"step {step}: the worker's weights differ: {status}")
+                pushed = (
+                    f"rank 0 pushed {stats.bytes / 2**10:.0f} KiB"
+                    if stats.total_bytes is None
+                    else f"ranks pushed {stats.total_bytes / 2**10:.0f} KiB, rank 0 "
+                    f"{stats.bytes / 2**10:.0f} KiB"
+                )
                 print(
-                    f"step {step}: loss {loss.item():.4f} | rank 0 pushed "
-                    f"{stats.bytes / 2**10:.0f} KiB in {stats.buckets} buckets "
+                    f"step {step}: loss {loss.item():.4f} | {pushed} in {stats.buckets} buckets "
                     f"({stats.wall_s * 1e3:.0f} ms) | worker at {status['weight_version']}, "
                     f"checksum matches the gathered model",
                     flush=True,
@@ -114,17 +123,24 @@ def free_port() -> int:
         return port
 
 
-def main(steps: int) -> None:
+def main(steps: int, senders: str = "rank0") -> None:
     # The worker imports `fsdp_trainer:make_model`, so it needs this folder on its path.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     with worker_process("fsdp_trainer:make_model", env=env) as url:
         print(f"worker server at {url}; spawning {WORLD_SIZE} FSDP2 trainer ranks", flush=True)
-        mp.spawn(run_rank, args=(url, free_port(), steps), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(run_rank, args=(url, free_port(), steps, senders), nprocs=WORLD_SIZE, join=True)
     print(f"fsdp trainer finished: {steps} rounds from {WORLD_SIZE} ranks arrived bit-exact")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    main(parser.parse_args().steps)
+    parser.add_argument(
+        "--senders",
+        choices=("rank0", "owners"),
+        default="rank0",
+        help="rank0: rank 0 gathers and sends; owners: every rank sends its own shards",
+    )
+    args = parser.parse_args()
+    main(args.steps, args.senders)

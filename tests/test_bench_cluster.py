@@ -95,11 +95,14 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
     stdout, stderr = proc.communicate(timeout=540)
     assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
     report = json.loads((tmp_path / "cluster.json").read_text())
-    rows = [(r["kind"], r["workers"], r["ranks"], r["rate"]) for r in report["rows"]]
+    rows = [
+        (r["kind"], r["workers"], r["ranks"], r["rate"], r.get("senders")) for r in report["rows"]
+    ]
     assert rows == [
-        ("workers", 1, 1, "1 Gbit/s"),
-        ("workers", 2, 1, "1 Gbit/s"),
-        ("ranks", 2, 2, "1 Gbit/s"),
+        ("workers", 1, 1, "1 Gbit/s", None),
+        ("workers", 2, 1, "1 Gbit/s", None),
+        ("ranks", 2, 2, "1 Gbit/s", "rank0"),
+        ("ranks", 2, 2, "1 Gbit/s", "owners"),
     ]
     model_bytes = report["meta"]["model"]["bytes"]
     for row in report["rows"]:
@@ -107,7 +110,8 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
         assert len(row["rounds_s"]) == 3 and len(row["warmup_s"]) == 1
         assert row["bytes_per_round"] == model_bytes
         assert row["ideal_s"] == pytest.approx(model_bytes * 8 / 1e9)
-        assert row["star_bound_s"] == pytest.approx(row["ideal_s"] * row["workers"])
+        copies = 1 if row.get("senders") == "owners" else row["workers"]
+        assert row["star_bound_s"] == pytest.approx(row["ideal_s"] * copies)
         workers = {f"worker {i}" for i in range(row["workers"])}
         ranks = {f"trainer rank {i}" for i in range(row["ranks"])}
         assert set(row["cores_busy"]) == workers | ranks
@@ -116,6 +120,7 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
     assert report["meta"]["cleanup"] == {"left_behind": []}
     assert _namespaces(tag) == [] and _root_links(tag) == []
     assert "cleanup: every namespace, link and queue removed" in stdout
+    assert "owners / gathered, 1 Gbit/s M = 2:" in stdout
     assert (tmp_path / "cluster.md").read_text().startswith("Cluster bench:")
     try:
         import matplotlib  # noqa: F401
@@ -281,6 +286,25 @@ def test_parse_rates() -> None:
     assert parse_rates("1.5Gbit") == (1_500_000_000,)
     with pytest.raises(Exception, match=r"^rates should be like"):
         parse_rates("fast")
+
+
+def test_senders_option_and_owner_ratios() -> None:
+    from asyncwt._bench.cluster.cli import build_parser
+    from asyncwt._bench.cluster.report import owners_ratios
+
+    parser = build_parser()
+    assert parser.parse_args(["--senders", "rank0,owners"]).senders == ("rank0", "owners")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--senders", "everyone"])
+    row = {"rate_bps": 10**9, "rate": "1 Gbit/s", "ranks": 4}
+    rows = [
+        {**row, "senders": "rank0", "median_s": 4.0},
+        {**row, "senders": "owners", "median_s": 1.0},
+    ]
+    (line, _) = owners_ratios(rows)
+    assert line == (
+        "- owners / gathered, 1 Gbit/s M = 4: 1.000 / 4.000 s = 0.250 (bar 1.15/M = 0.287: met)"
+    )
 
 
 def test_deferred_signals_hold_a_signal_until_cleanup_is_done() -> None:

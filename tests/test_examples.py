@@ -120,6 +120,17 @@ def test_fsdp_trainer_ranks_push_bit_exact() -> None:
     assert lines[3:] == ["fsdp trainer finished: 2 rounds from 2 ranks arrived bit-exact"]
 
 
+def test_fsdp_trainer_owner_senders_push_bit_exact() -> None:
+    lines = run_example("fsdp_trainer.py", "--steps", "2", "--senders", "owners")
+    for step, line in enumerate(lines[1:3], start=1):
+        assert re.fullmatch(
+            rf"step {step}: loss [\d.]+ \| ranks pushed (\d+) KiB, rank 0 (\d+) KiB in \d+ "
+            rf"buckets \(\d+ ms\) \| worker at step-{step}, checksum matches the gathered model",
+            line,
+        ), line
+    assert lines[3:] == ["fsdp trainer finished: 2 rounds from 2 ranks arrived bit-exact"]
+
+
 def test_quickstart_pushes_three_steps() -> None:
     env = dict(os.environ, PYTHONPATH=str(EXAMPLES))  # as `cd examples` does in the docs
     with worker_process("quickstart:make_model", env=env) as url:

@@ -130,6 +130,9 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     trainer_id: str = ""
     """The trainer's id for this init (random, per `trainer_init`): every round's
     update info must name it. Empty from a trainer that sends none: then unchecked."""
+    owners: dict[str, Any] | None = None
+    """With `senders="owners"`: the ownership layout and every trainer rank's endpoint
+    (see `asyncwt._worker.owners`); `None` when rank 0 sends everything."""
 
     transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
     """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
@@ -144,6 +147,8 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
             check_timeout(name, getattr(self, name))
         check_trainer_id(self.trainer_id)
+        if self.owners is not None and not isinstance(self.owners, dict):
+            raise ValueError(f"owners should be a dict or None, got {type(self.owners).__name__}")
 
 
 @dataclass

@@ -34,7 +34,8 @@ class RoundStats:
     weight_version: str | None
     """The version handed to `finish_weight_update`."""
     bytes: int
-    """Payload bytes sent to each worker (0 on non-sender ranks)."""
+    """Payload bytes this rank sent to each worker (0 on non-sender ranks; with
+    `senders="owners"`, this rank's share)."""
     buckets: int
     """Buckets sent to each worker."""
     workers: int
@@ -43,6 +44,9 @@ class RoundStats:
     """From `send_weights` entry to `finish_weight_update` returned."""
     stage_busy_s: dict[str, float] = field(default_factory=dict)
     """Seconds each stage (`iterate`, `pack`, `send`) spent working."""
+    total_bytes: int | None = None
+    """With `senders="owners"`: payload bytes each worker received from every rank
+    together (the round's total; `bytes` is this rank's share). `None` otherwise."""
 
     @property
     def throughput_gbps(self) -> float:

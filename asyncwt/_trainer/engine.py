@@ -95,6 +95,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
         self.transport: SenderTransport | None = None
+        self.round_digest = plan.digest
+        """What each round's update info names as its plan (the owner layout's digest
+        with `senders="owners"`)."""
+        self.round_total_bytes: int | None = None
+        """Bytes of a round from every rank together, where ranks share the sending."""
         self.trainer_id = secrets.token_hex(16)
         """This engine's id, sent to the workers at init and with every round: a worker
         refuses rounds of any other trainer (a stale one, or a stranger)."""
@@ -126,6 +131,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             raise TypeError(
                 f"init_info should be a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
             )
+        if getattr(init_info, "senders", "rank0") == "owners":
+            from .owners import owners_trainer_init
+
+            engine = await owners_trainer_init(cls, init_info, client=client, source=source)
+            return engine  # type: ignore[return-value]
         if source is None or not source.implements_iter_full():
             raise ValueError(
                 f"source should be a WeightSource implementing iter_full (rank 0 sends full "
@@ -230,7 +240,12 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 busy = {"iterate": time.perf_counter() - t0}
                 return self._stats(round_id, weight_version, started, busy, sent=False)
             self.transport.check_usable()
-            busy = await self._sender_round(self.transport, round_id, weight_version, fence)
+            if self.is_sender:
+                busy = await self._sender_round(self.transport, round_id, weight_version, fence)
+            else:  # senders="owners": this rank's share, over its own links
+                from .owners import share_round
+
+                busy = await share_round(self, self.transport, round_id, fence)
             return self._stats(round_id, weight_version, started, busy, sent=True)
         finally:
             self._busy = False
@@ -252,7 +267,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         where = f"round {round_id}"
         update_info = {
             "round_id": round_id,
-            "plan_digest": self.plan.digest,
+            "plan_digest": self.round_digest,
             "trainer_id": self.trainer_id,
         }
         # The round's ids go to start and finish both, or to neither: a round started
@@ -294,17 +309,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     with single_error():
                         async with anyio.create_task_group() as stream:
                             stream.start_soon(open_round, tg)
-                            busy = await run_pipeline(
-                                self.plan,
-                                self.source,
-                                transport,
-                                pool=self._pool,
-                                iterate_lane=self._iterate_lane,
-                                pack_lane=self._pack_lane,
-                                config=self._pipeline,
-                                fence=fence,
-                                opened=opened,
-                            )
+                            busy = await self.stream(transport, fence, opened)
                     await transport.end_round()
                 except BaseException as exc:
                     failed = True
@@ -339,6 +344,22 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         )
         return busy
 
+    async def stream(
+        self, transport: SenderTransport, fence: LaneEvent, opened: anyio.Event
+    ) -> dict[str, float]:
+        """This rank's pipeline over its plan into `transport` (see `run_pipeline`)."""
+        return await run_pipeline(
+            self.plan,
+            self.source,
+            transport,
+            pool=self._pool,
+            iterate_lane=self._iterate_lane,
+            pack_lane=self._pack_lane,
+            config=self._pipeline,
+            fence=fence,
+            opened=opened,
+        )
+
     def _stats(
         self,
         round_id: int,
@@ -356,6 +377,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             workers=self.num_workers if sent else 0,
             wall_s=time.perf_counter() - started,
             stage_busy_s=busy,
+            total_bytes=self.round_total_bytes if sent else None,
         )
         logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
         return stats

@@ -38,6 +38,11 @@ class LinkedTrainerInfo(PipelineSettings):
     trainer's side the listener is not read: a flood of idle connections can
     neither exhaust the trainer's file descriptors or memory nor keep a worker out.
     The `torch_dist` rendezvous store admits its connections the same way."""
+    senders: str = "rank0"
+    """Which trainer ranks send: `"rank0"` gathers every parameter on rank 0 and sends
+    it from there; `"owners"` (tcp and shm) has every rank send the bytes it holds
+    (`iter_local`), no gather, each rank over its own links; rank 0 keeps the control
+    plane. Needs `torch.distributed` initialised (the ranks exchange endpoints at init)."""
     handshake_timeout: float = 10.0
     """Seconds a connection has to complete its handshake (the worker's HELLO and
     PROOF) before the trainer drops it: an idle connection holds a handshake slot at
@@ -53,6 +58,8 @@ class LinkedTrainerInfo(PipelineSettings):
         check_positive("max_workers", self.max_workers)
         check_positive("max_pending_handshakes", self.max_pending_handshakes)
         check_timeout("handshake_timeout", self.handshake_timeout)
+        if self.senders not in ("rank0", "owners"):
+            raise ValueError(f"senders should be 'rank0' or 'owners', got {self.senders!r}")
 
     def link_settings(self) -> LinkSettings:
         """What the trainer side of the links reads of these settings."""

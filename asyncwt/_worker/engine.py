@@ -223,7 +223,13 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         `drain_timeout`.
         """
         plan = init_info.transfer_plan
-        receiver = self.make_receiver(init_info, plan)
+        receiver: ReceiverTransport
+        if init_info.owners is not None:  # every trainer rank sends its own shards
+            from .owners import owners_receiver
+
+            receiver, plan = owners_receiver(self, init_info)
+        else:
+            receiver = self.make_receiver(init_info, plan)
         target = self._resolve(self.model, plan, receiver)
         receiver.connect()
         old, self.receiver = self.receiver, receiver

@@ -62,9 +62,21 @@ def _counts(text: str) -> tuple[int, ...]:
 PRESETS = {
     "default": {"model_mib": 32.0, "workers": (1, 2, 4, 8), "ranks": (1, 2, 4),
                 "rates_bps": (250 * 10**6, 10**9, 10 * 10**9, None)},
-    "quick": {"model_mib": 16.0, "workers": (1, 2), "ranks": (2,), "rates_bps": (10**9,)},
+    "quick": {"model_mib": 16.0, "workers": (1, 2), "ranks": (2,), "rates_bps": (10**9,),
+              "senders": ("rank0", "owners")},
 }  # fmt: skip
-"""`quick`: two workers (and two FSDP2 ranks), a 16 MiB model, 1 Gbit/s: CI-sized."""
+"""`quick`: two workers (and two FSDP2 ranks, gathered and owner senders), a 16 MiB
+model, 1 Gbit/s: CI-sized."""
+
+
+def _senders(text: str) -> tuple[str, ...]:
+    modes = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [m for m in modes if m not in ("rank0", "owners")]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"--senders should list rank0 and/or owners, comma-separated, got {text!r}"
+        )
+    return modes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="preset",
         const="quick",
         default="default",
-        help="N = 1, 2 workers and M = 2 ranks, 16 MiB model, 1 Gbit/s only: CI-sized",
+        help="N = 1, 2 workers and M = 2 ranks (both senders), 16 MiB model, 1 Gbit/s only: "
+        "CI-sized",
     )
     parser.add_argument("--model-mib", type=float, metavar="MIB", help="model size (default 32)")
     parser.add_argument(
@@ -96,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_counts,
         metavar="A,B,...",
         help="FSDP2 trainer rank counts M, each to M workers (default 1,2,4; empty: none)",
+    )
+    parser.add_argument(
+        "--senders",
+        type=_senders,
+        metavar="S,...",
+        help="who sends in the FSDP2 scenarios: rank0 (gathers, today's default), owners "
+        "(every rank its own shards), or both: rank0,owners (default rank0)",
     )
     parser.add_argument(
         "--rates",
@@ -184,6 +204,7 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
         "model_mib": args.model_mib,
         "workers": args.workers,
         "ranks": args.ranks,
+        "senders": args.senders,
         "rates_bps": args.rates,
         "cpu_bound_cores": args.cpu_bound_cores,
     }

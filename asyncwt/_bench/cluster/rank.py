@@ -5,7 +5,9 @@ synthetic model (the same values on every rank); with several ranks they join a 
 group across the trainer hosts and shard it with FSDP2 (`fully_shard`, one unit per
 decoder layer), so every round's `full_tensor()` all-gathers cross the capped links.
 Then, for each job (a set of workers), every rank runs `trainer_init` and the rounds
-through the public API; only rank 0 sends (today's topology) and talks to the workers.
+through the public API; rank 0 talks to the workers. With a job's `senders` of
+`"rank0"` (the default) only rank 0 sends, after gathering every parameter; with
+`"owners"` every rank sends its own shards over its own link, no gather.
 
 Each round sends different weights: before every round but the first, every rank
 negates its (local shard of the) weights, an exact involution on bf16. After each
@@ -47,7 +49,8 @@ def run_rank(
     jobs: list[dict[str, Any]],
     result_path: str,
 ) -> None:
-    """Build the model, run every job (`{"label", "urls", "worker_pids"}`), write results."""
+    """Build the model, run every job (`{"label", "urls", "worker_pids"}`, optionally
+    `"senders"`), write results."""
     import torch
     import torch.distributed as dist
 
@@ -150,7 +153,11 @@ async def _run_job(
     async with HttpClient(job["urls"], timeout=900.0, api_key=api_key) as client:
         try:
             info = TcpTrainerInitInfo(
-                rank=rank, host=trainer_host, bucket_bytes=bucket_bytes, num_buffers=num_buffers
+                rank=rank,
+                host=trainer_host,
+                bucket_bytes=bucket_bytes,
+                num_buffers=num_buffers,
+                senders=job.get("senders", "rank0"),
             )
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             try:
@@ -188,7 +195,8 @@ async def _run_job(
                             f"{statuses}"
                         )
                     records.append(
-                        {"wall_s": wall, "bytes": stats.bytes, "buckets": stats.buckets,
+                        {"wall_s": wall, "bytes": stats.total_bytes or stats.bytes,
+                         "rank0_bytes": stats.bytes, "buckets": stats.buckets,
                          "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup}
                     )  # fmt: skip
             finally:
@@ -199,6 +207,7 @@ async def _run_job(
     timed = [r for r in records if not r["warmup"]]
     return {
         "label": label,
+        "senders": job.get("senders", "rank0"),
         "workers": len(job["urls"]),
         "rounds": records,
         "cores_busy": median_cores([r["cores"] for r in timed]),

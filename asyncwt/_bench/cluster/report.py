@@ -66,7 +66,14 @@ def format_table(report: dict[str, Any]) -> str:
     )
     for kind, title, key in (
         ("workers", "One trainer to N workers", "N"),
-        ("ranks", "M FSDP2 trainer ranks (gloo) to N = M workers; only rank 0 sends", "M"),
+        (
+            "ranks",
+            (
+                "M FSDP2 trainer ranks (gloo) to N = M workers; senders: rank0 gathers and "
+                "sends everything, owners = every rank sends its own shards (star = 1 x ideal)"
+            ),
+            "M",
+        ),
     ):
         rows = [r for r in report["rows"] if r["kind"] == kind]
         if not rows:
@@ -75,6 +82,8 @@ def format_table(report: dict[str, Any]) -> str:
         for r in rows:
             count = r["workers"] if kind == "workers" else r["ranks"]
             note = " (= N 1)" if r.get("same_as") else ""
+            if r.get("senders") == "owners":
+                note += " owners"
             bound = {"CPU": "**CPU**", "other": "*other*"}.get(r["bound"], r["bound"])
             lines.append(
                 f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {_s(r['ideal_s'])} | "
@@ -83,6 +92,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'yes' if r['bit_exact'] else 'NO'} |"
             )
         lines.append("")
+        lines += owners_ratios(rows)
         flagged = [r for r in rows if r["bound"] != "link" and not r.get("same_as")]
         for r in flagged:
             count = r["workers"] if kind == "workers" else r["ranks"]
@@ -99,6 +109,36 @@ def format_table(report: dict[str, Any]) -> str:
     if "runtime_s" in meta:
         lines.append(f"wall time: {meta['runtime_s']:.0f} s; command: `{meta.get('command', '?')}`")
     return "\n".join(lines)
+
+
+def owners_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per owners row: its time over the gathered row's at the same rate and
+    M, next to the bar (1.15 / M)."""
+    lines = []
+    for r in rows:
+        if r.get("senders") != "owners":
+            continue
+        gathered = next(
+            (
+                g
+                for g in rows
+                if g.get("senders", "rank0") == "rank0"
+                and g["rate_bps"] == r["rate_bps"]
+                and g["ranks"] == r["ranks"]
+                and not g.get("same_as")
+            ),
+            None,
+        )
+        if gathered is None:
+            continue
+        ratio = r["median_s"] / gathered["median_s"]
+        bar = 1.15 / r["ranks"]
+        lines.append(
+            f"- owners / gathered, {r['rate']} M = {r['ranks']}: {r['median_s']:.3f} / "
+            f"{gathered['median_s']:.3f} s = {ratio:.3f} (bar 1.15/M = {bar:.3f}: "
+            f"{'met' if ratio <= bar else 'NOT met'})"
+        )
+    return [*lines, ""] if lines else []
 
 
 def write_json(report: dict[str, Any], out: Path) -> Path:
@@ -142,17 +182,29 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
     model_mib = report["meta"]["model"]["bytes"] / MiB
     for ax, kind in zip(axes[0], kinds):
         key = "workers" if kind == "workers" else "ranks"
-        for index, (rate_bps, rate) in enumerate(rates):
+        lines = [(index, rate_bps, rate, senders) for index, (rate_bps, rate) in enumerate(rates)
+                 for senders in ("rank0", "owners")]  # fmt: skip
+        for index, rate_bps, rate, senders in lines:
             color = _COLORS[index % len(_COLORS)]
             points = sorted(
-                ((r[key], r) for r in rows if r["kind"] == kind and r["rate_bps"] == rate_bps),
+                (
+                    (r[key], r)
+                    for r in rows
+                    if r["kind"] == kind
+                    and r["rate_bps"] == rate_bps
+                    and r.get("senders", "rank0") == senders
+                ),
                 key=lambda point: point[0],
             )
             if not points:
                 continue
             xs = [x for x, _ in points]
             ys = [r["median_s"] for _, r in points]
-            ax.plot(xs, ys, "-", color=color, label=rate, linewidth=1.8)
+            owners = senders == "owners"
+            ax.plot(
+                xs, ys, "-." if owners else "-", color=color, linewidth=1.8,
+                label=f"{rate}, owners" if owners else rate,
+            )  # fmt: skip
             for x, (_, r) in zip(xs, points):
                 ax.plot(
                     [x], [r["median_s"]], linestyle="none", color=color, markersize=6,
@@ -160,7 +212,7 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
                     marker="o" if r["bound"] != "other" else "s",
                 )  # fmt: skip
             ideal = points[0][1]["ideal_s"]
-            if ideal is not None:
+            if ideal is not None and not owners:
                 ax.axhline(ideal, linestyle="--", color=color, linewidth=1)
                 ax.plot(xs, [ideal * r["workers"] for _, r in points], ":", color=color)
         ax.set_xscale("log", base=2)
@@ -185,7 +237,7 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
     fig.text(
         0.5, 0.005,
         "dashed: ideal (model bytes / one link's rate); dotted: star bound (N copies through "
-        "the trainer's link); hollow: not held by its links (circle: this machine's CPU; square: other)",
+        "the trainer's link); dash-dot: owner senders; hollow: not held by its links (circle: this machine's CPU; square: other)",
         ha="center", fontsize=8,
     )  # fmt: skip
     fig.tight_layout(rect=(0, 0.03, 1, 1))

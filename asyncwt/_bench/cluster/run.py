@@ -7,7 +7,9 @@ trainer hosts. Per link rate (the caps change between scenarios, while no data f
 - workers: one trainer (rank 0 on host t0) to N = 1, 2, 4, 8 workers, all N in one
   trainer process, one after the other;
 - ranks: M = 2, 4 FSDP2 ranks (hosts t0..t{M-1}, gloo) to N = M workers; the M = 1
-  row is the N = 1 row (one rank, nothing to shard).
+  row is the N = 1 row (one rank, nothing to shard). Once per `senders` mode: rank 0
+  gathering and sending everything (`"rank0"`), or every rank sending its own shards
+  (`"owners"`, a row beside it, with its ratio to the gathered row).
 
 Every scenario's row holds each timed round, the median, the link-limited ideal
 (the model's bytes over one link's rate: every worker must receive the whole model
@@ -93,6 +95,8 @@ class ClusterSettings:
     """Worker counts N of the one-trainer scenarios."""
     ranks: tuple[int, ...] = (1, 2, 4)
     """Trainer rank counts M of the FSDP2 scenarios (each to N = M workers)."""
+    senders: tuple[str, ...] = ("rank0",)
+    """Who sends in the FSDP2 scenarios: `"rank0"` (gathered), `"owners"`, or both."""
     rates_bps: tuple[int | None, ...] = (250 * 10**6, 10**9, 10 * 10**9, None)
     """Link rates, bits per second; None is uncapped."""
     rounds: Rounds = field(default_factory=Rounds)
@@ -198,9 +202,12 @@ def run_cluster(
                     if one is not None:
                         report["rows"].append({**one, "kind": "ranks", "same_as": "workers N=1"})
                     continue
-                report["rows"].append(
-                    _ranks_scenario(settings, cluster, rate, m, urls, pids, env, log_dir, log)
-                )
+                for senders in settings.senders:
+                    report["rows"].append(
+                        _ranks_scenario(
+                            settings, cluster, rate, m, urls, pids, env, log_dir, log, senders
+                        )
+                    )
     finally:
         with deferred_signals():
             stack.close()
@@ -365,18 +372,21 @@ def _ranks_scenario(
     env: dict[str, str],
     log_dir: Path,
     log: Log,
+    senders: str = "rank0",
 ) -> dict[str, Any]:
     rate_label = format_rate(rate).replace(" ", "").replace("/", "")
-    label = f"M{m}-{rate_label}"
-    log(f"  {m} FSDP2 trainer ranks to N = {m} workers")
+    label = f"M{m}-{rate_label}" if senders == "rank0" else f"M{m}-{senders}-{rate_label}"
+    log(f"  {m} FSDP2 trainer ranks to N = {m} workers, senders={senders}")
+    job = {"label": label, "urls": urls[:m], "worker_pids": pids[:m], "senders": senders}
     (record,) = _run_ranks(
         settings, cluster, world_size=m,
-        jobs=[{"label": label, "urls": urls[:m], "worker_pids": pids[:m]}],
+        jobs=[job],
         env=env, log_dir=log_dir, worker_pids=pids,
         deadline_s=_deadline(settings, rate, 2 * m), label=f"ranks-{label}",
     )  # fmt: skip
     row = _row("ranks", rate, m, m, record, settings)
-    log(f"    M = {m}: {row['median_s']:.3f} s per round")
+    row["senders"] = senders
+    log(f"    M = {m}, senders={senders}: {row['median_s']:.3f} s per round")
     return row
 
 
@@ -414,9 +424,12 @@ def derive(
     ideal = None if rate is None else nbytes * 8 / rate
     row["model_bytes"] = nbytes
     row["ideal_s"] = ideal
-    row["star_bound_s"] = None if ideal is None else ideal * row["workers"]
+    # Owner senders: each rank's link carries 1/M of the model to each of M workers,
+    # one model's bytes in all, so the busiest link's bound is the ideal itself.
+    copies = 1 if row.get("senders") == "owners" else row["workers"]
+    row["star_bound_s"] = None if ideal is None else ideal * copies
     row["ratio_to_ideal"] = None if ideal is None else row["median_s"] / ideal
-    row["ratio_to_star"] = None if ideal is None else row["median_s"] / (ideal * row["workers"])
+    row["ratio_to_star"] = None if ideal is None else row["median_s"] / (ideal * copies)
     row["gbit_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
     cores = row["cores_busy"]
     row["cores_sum"] = sum(cores.values())
