@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .._core.settings import PipelineSettings, WorkerPlanInfo
-from .._core.validate import check_host, check_port, check_positive, check_str, check_timeout
+from .._core.validate import (
+    check_bool,
+    check_host,
+    check_int_in,
+    check_port,
+    check_positive,
+    check_str,
+    check_timeout,
+)
 from .link import LinkSettings
 
 __all__ = ["LinkedTrainerInfo", "LinkedWorkerInfo"]
@@ -42,9 +51,18 @@ class LinkedTrainerInfo(PipelineSettings):
     """Seconds a connection has to complete its handshake (the worker's HELLO and
     PROOF) before the trainer drops it: an idle connection holds a handshake slot at
     most this long."""
+    delta: bool = False
+    """Send each round as a lossless delta against the bytes the workers hold for the
+    previous round, where that pays (`"tcp"` only; see `asyncwt._delta`). The
+    trainer keeps a host copy of the payload it last sent; a worker keeps a shadow
+    of what its model does not hold as wire bytes."""
+    delta_full_every: int = 0
+    """With `delta`: send a full round every this many rounds (0: only when needed)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_bool("delta", self.delta)
+        check_int_in("delta_full_every", self.delta_full_every, 0, 2**31)
         check_host("host", self.host)
         check_port("port", self.port, allow_zero=True)
         if self.advertise_host is not None:
@@ -53,6 +71,12 @@ class LinkedTrainerInfo(PipelineSettings):
         check_positive("max_workers", self.max_workers)
         check_positive("max_pending_handshakes", self.max_pending_handshakes)
         check_timeout("handshake_timeout", self.handshake_timeout)
+
+    def worker_fields(self) -> dict[str, Any]:
+        fields_ = super().worker_fields()
+        if self.delta:
+            fields_["delta"] = True
+        return fields_
 
     def link_settings(self) -> LinkSettings:
         """What the trainer side of the links reads of these settings."""
@@ -67,9 +91,12 @@ class LinkedWorkerInfo(WorkerPlanInfo):
     host: str = ""
     port: int = 0
     token: str = ""
+    delta: bool = False
+    """Whether the trainer may send delta rounds (the worker then keeps what it needs)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_bool("delta", self.delta)
         check_host("host", self.host)
         check_port("port", self.port)
         check_str("token", self.token, min_chars=1, secret=True)
