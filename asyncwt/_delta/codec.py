@@ -5,7 +5,7 @@ workers hold for the previous version (the *base*), the trainer picks the smalle
 of three encodings:
 
 - `RAW`: the new payload itself;
-- `SPARSE`: the changed units (2 bytes when every slice is an even number of
+- `SPARSE`: the changed units (none, for a bucket that did not change) (2 bytes when every slice is an even number of
   bytes long, else 1), as `count` little-endian u32 gaps between their positions
   (the first gap is the first position) followed by their `count` new values;
 - `ZSPARSE`: `SPARSE` compressed with zstandard, tried where the sparse body is
@@ -115,9 +115,9 @@ class DeltaHeader:
                     f"{where}: a RAW body should be the payload ({payload} bytes, count 0), "
                     f"got {body} bytes and count {count}"
                 )
-        elif not 0 < count <= units or body >= payload:
+        elif not 0 <= count <= units or (body >= payload and payload):
             raise ProtocolError(
-                f"{where}: a {encoding.name} body should hold 1 to {units} changes in fewer "
+                f"{where}: a {encoding.name} body should hold 0 to {units} changes in fewer "
                 f"than {payload} bytes, got {count} changes in {body} bytes"
             )
         elif encoding == Encoding.SPARSE and body != count * (4 + unit):
@@ -182,10 +182,11 @@ def encode(
     count = sum(p.numel() for p in positions)
     header = DeltaHeader(Encoding.RAW, payload, 0, digest)
     body: list[torch.Tensor] | bytes = list(segments)
-    if allow_coded and count * (4 + unit) < payload * RAW_FRACTION and count:
-        where = torch.cat(positions)
+    if allow_coded and count * (4 + unit) < payload * RAW_FRACTION:
+        where = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
         gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
-        sparse = torch.cat([gaps.view(torch.uint8), torch.cat(values).view(torch.uint8)])
+        changed = torch.cat(values) if values else torch.zeros(0, dtype=torch.uint8)
+        sparse = torch.cat([gaps.view(torch.uint8), changed.view(torch.uint8)])
         coded: bytes = bytes(byte_view(sparse))
         encoding = Encoding.SPARSE
         if len(coded) >= ZSTD_MIN_BYTES:
@@ -207,6 +208,8 @@ def decode_sparse(
     """The changed units' positions (int64, increasing, below `units`) and values of a
     `SPARSE` or `ZSPARSE` body; a body that decodes to anything else is a `ProtocolError`."""
     size = header.count * (4 + unit)
+    if size == 0:
+        return torch.zeros(0, dtype=torch.int64), _units(torch.zeros(0, dtype=torch.uint8), unit)
     if header.encoding == Encoding.ZSPARSE:
         try:
             raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
@@ -220,6 +223,7 @@ def decode_sparse(
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     else:
         data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    values = _units(data[header.count * 4 :], unit)
     gaps = data[: header.count * 4].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     if header.count > 1 and not bool((gaps[1:] > 0).all()):
         raise ProtocolError("a sparse body's positions should increase strictly")
@@ -228,8 +232,7 @@ def decode_sparse(
         raise ProtocolError(
             f"a sparse body names unit {int(positions[-1])}; the payload has {units}"
         )
-    values = data[header.count * 4 :]
-    return positions, _units(values, unit)
+    return positions, values
 
 
 def apply_sparse(

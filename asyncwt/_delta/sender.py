@@ -78,6 +78,9 @@ class DeltaSender:
         self.round_delta = False
         """Whether the round being sent may code its buckets."""
         self._prior = False
+        self._held = 0
+        self._touched = False
+        """The round the copy held when this one began, and whether this one wrote to it."""
         """Whether the copy held a whole round when this one began (so a sample of
         it says how much changed)."""
 
@@ -97,6 +100,7 @@ class DeltaSender:
         carried it: its low 32 bits), whether it gets deltas."""
         base = self.base_round & 0xFFFFFFFF
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
+        self._held, self._touched = self.base_round, False
         self._prior = bool(self.base_round)
         self.round_delta = self._prior and not due and self._pays()
         self.base_round = 0  # the copy is being rewritten
@@ -118,11 +122,13 @@ class DeltaSender:
         self.base_round = round_id
 
     def abort(self) -> None:
-        """The round was not sent completely: the copy is a mix, the next round is full."""
-        self.base_round = 0
+        """The round was not sent completely: once a bucket of it reached the copy, the
+        copy is a mix and the next round is full; before that it still holds its round."""
+        self.base_round = 0 if self._touched else self._held
 
     def encode(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> Encoded:
         """Code `bucket`'s new payload against the copy, then update the copy (a thread's work)."""
+        self._touched = True
         started = time.perf_counter()
         coded = encode(segments, self._base(bucket), self._units[bucket.index])
         payload = bucket.payload_bytes
@@ -134,6 +140,7 @@ class DeltaSender:
     def keep(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> None:
         """Copy a fully sent bucket into the copy, measuring the encoder on a sample
         of it first (a thread's work)."""
+        self._touched = True
         base = self._base(bucket)
         unit = self._units[bucket.index]
         head = min(SAMPLE_BYTES, segments[0].numel() if segments else 0) // unit * unit
