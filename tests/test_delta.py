@@ -43,7 +43,8 @@ from asyncwt import (
 )
 from asyncwt._cli.launch import start_worker, stop_worker
 from asyncwt._core.errors import ProtocolError
-from asyncwt._core.plan import Bucket, Slice
+from asyncwt._core.meta import ParamMeta
+from asyncwt._core.plan import Bucket, Slice, TransferPlan
 from asyncwt._delta.codec import (
     DELTA_HEADER_SIZE,
     DeltaHeader,
@@ -52,6 +53,7 @@ from asyncwt._delta.codec import (
     decode_sparse,
     encode,
 )
+from asyncwt._delta.sender import DeltaSender
 from asyncwt._transports.wire import FRAME_SIZE
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -189,6 +191,33 @@ def test_delta_settings_are_checked() -> None:
         TcpTrainerInitInfo(rank=0, delta=True, delta_full_every=-1)
 
 
+def test_auto_policy_sends_deltas_only_where_they_pay_and_stops_copying_where_they_never_do() -> (
+    None
+):
+    plan = TransferPlan.build([ParamMeta("w", torch.bfloat16, (4 << 20,))], bucket_bytes=8 << 20)
+    state = DeltaSender(plan, policy="auto")
+    new = torch.randn(4 << 20).to(torch.bfloat16).view(torch.uint8)
+    assert state.begin(1, [0]) == [False] and state.keeping  # nothing held yet
+    state.keep(plan.buckets[0], [new])
+    state.end(1)
+    assert state.begin(2, [1]) == [True]  # the wire is not measured yet: try
+    state.abort()
+    state.sent_raw(8 << 20, 8.0)  # a slow wire: 1 MB/s
+    assert state.begin(2, [1]) == [True]
+    state.abort()
+    for _ in range(40):
+        state.sent_raw(8 << 20, 1e-6)  # a wire far faster than any encoder
+    assert state.begin(2, [1]) == [False] and not state.keeping
+    state.keep(plan.buckets[0], [new])  # measures the encoder, copies nothing
+    state.end(2)
+    assert state.base_round == 0, "a round not kept leaves the copy of no round"
+    always = DeltaSender(plan, policy="always")
+    always.keep(plan.buckets[0], [new])
+    always.end(1)
+    always.sent_raw(8 << 20, 1e-6)
+    assert always.begin(2, [1, 0]) == [True, False]
+
+
 # -- across processes -------------------------------------------------------------------
 
 
@@ -221,6 +250,7 @@ def delta_info(**kwargs: object) -> TcpTrainerInitInfo:
     info = info_for("tcp", **kwargs)
     assert isinstance(info, TcpTrainerInitInfo)
     info.delta = True
+    info.delta_policy = "always"  # deterministic: every round that can be a delta is one
     return info
 
 

@@ -31,10 +31,12 @@ __all__ = ["DeltaLinks"]
 class DeltaLinks:
     """Per round: the workers that get deltas; per bucket: the frames each gets."""
 
-    def __init__(self, links: TrainerLinks, plan: TransferPlan, *, full_every: int) -> None:
+    def __init__(
+        self, links: TrainerLinks, plan: TransferPlan, *, full_every: int, policy: str
+    ) -> None:
         self.links = links
         self.links.delta = True
-        self.state = DeltaSender(plan, full_every=full_every)
+        self.state = DeltaSender(plan, full_every=full_every, policy=policy)
         self._deltas: list[Peer] = []
         self._fulls: list[Peer] = []
         self._wire = 0

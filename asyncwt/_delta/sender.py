@@ -28,8 +28,9 @@ from .codec import Encoded, encode, unit_of
 
 __all__ = ["DeltaSender", "check_delta_plan"]
 
-SAMPLE_BYTES = 1 << 20
-"""Bytes of each bucket a full round encodes on the side, to measure the encoder."""
+SAMPLE_BYTES = 256 << 10
+"""Bytes a full round encodes on the side (of its first bucket that has them), to
+measure the encoder."""
 SLOWER_LIMIT = 0.9
 """A delta round is chosen only if its predicted time is below this fraction of a full one."""
 
@@ -49,8 +50,8 @@ class _Rates:
 
     wire: float | None = None
     encode: float | None = None
-    ratio: float = 1.0
-    """Coded bytes per payload byte, last seen."""
+    ratio: float = 0.1
+    """Coded bytes per payload byte, last seen (a guess until a round measures it)."""
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
@@ -58,12 +59,20 @@ class _Rates:
 
 
 class DeltaSender:
-    """What the trainer keeps between rounds to send deltas, and which round to send."""
+    """What the trainer keeps between rounds to send deltas, and which round to send.
 
-    def __init__(self, plan: TransferPlan, *, full_every: int = 0) -> None:
+    `policy` `"auto"` sends a delta round only where measured rates say it pays,
+    and stops keeping the copy (a memcpy per round) while even a delta of nothing
+    would not pay (the encoder slower than the wire: a fast loopback); it keeps
+    the copy again, and so sends deltas again, once the rates say otherwise.
+    `"always"` sends every round it can as a delta.
+    """
+
+    def __init__(self, plan: TransferPlan, *, full_every: int = 0, policy: str = "auto") -> None:
         check_delta_plan(plan)
         self.plan = plan
         self.full_every = full_every
+        self.policy = policy
         self._copy: torch.Tensor | None = None
         self._starts: list[int] = []
         at = 0
@@ -76,13 +85,18 @@ class DeltaSender:
         self._since_full = 0
         self._rates = _Rates()
         self.round_delta = False
-        """Whether the round being sent may code its buckets."""
+        """Whether the round being sent codes its buckets (for some worker)."""
+        self.keeping = True
+        """Whether this round's bytes go into the copy (see the class docstring)."""
         self._prior = False
-        self._held = 0
-        self._touched = False
-        """The round the copy held when this one began, and whether this one wrote to it."""
         """Whether the copy held a whole round when this one began (so a sample of
         it says how much changed)."""
+        self._held = 0
+        """The round the copy held when this one began."""
+        self._touched = False
+        """Whether this round wrote to the copy."""
+        self._sampled = False
+        """Whether this round measured the encoder yet."""
 
     @property
     def host_bytes(self) -> int:
@@ -100,9 +114,10 @@ class DeltaSender:
         carried it: its low 32 bits), whether it gets deltas."""
         base = self.base_round & 0xFFFFFFFF
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
-        self._held, self._touched = self.base_round, False
+        self._held, self._touched, self._sampled = self.base_round, False, False
         self._prior = bool(self.base_round)
-        self.round_delta = self._prior and not due and self._pays()
+        self.keeping = self.policy == "always" or not self._never_pays()
+        self.round_delta = self._prior and self.keeping and not due and self._pays()
         self.base_round = 0  # the copy is being rewritten
         chosen = [self.round_delta and b == base for b in worker_bases]
         self.round_delta = any(chosen)
@@ -111,15 +126,21 @@ class DeltaSender:
 
     def _pays(self) -> bool:
         rates = self._rates
-        if rates.wire is None or rates.encode is None:
+        if self.policy == "always" or rates.wire is None or rates.encode is None:
             return True  # nothing measured: try it, the round measures both
-        full = rates.wire
         delta = rates.encode + rates.ratio * rates.wire
-        return delta < SLOWER_LIMIT * full
+        return delta < SLOWER_LIMIT * rates.wire
+
+    def _never_pays(self) -> bool:
+        """Whether even a bucket that did not change costs more to code than to send."""
+        rates = self._rates
+        if rates.wire is None or rates.encode is None:
+            return False
+        return rates.encode >= SLOWER_LIMIT * rates.wire
 
     def end(self, round_id: int) -> None:
-        """Round `round_id` was sent completely: the copy is of it."""
-        self.base_round = round_id
+        """Round `round_id` was sent completely: the copy is of it, if it was kept."""
+        self.base_round = round_id if self.keeping else 0
 
     def abort(self) -> None:
         """The round was not sent completely: once a bucket of it reached the copy, the
@@ -138,19 +159,29 @@ class DeltaSender:
         return coded
 
     def keep(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> None:
-        """Copy a fully sent bucket into the copy, measuring the encoder on a sample
-        of it first (a thread's work)."""
-        self._touched = True
-        base = self._base(bucket)
+        """Copy a bucket sent in full into the copy (while `keeping`), measuring the
+        encoder on a sample of the round's first large bucket (a thread's work)."""
         unit = self._units[bucket.index]
         head = min(SAMPLE_BYTES, segments[0].numel() if segments else 0) // unit * unit
-        if head and self._prior:
+        if head == SAMPLE_BYTES and not self._sampled:
+            # Once a round. Against a copy of no round, every unit differs: the time
+            # is an upper bound, and the size says nothing.
+            self._sampled = True
+            prior = self._prior and self.keeping
+            old = (
+                self._base(bucket)[:head].clone() if prior else torch.zeros(head, dtype=torch.uint8)
+            )
             started = time.perf_counter()
-            sample = encode([segments[0][:head]], base[:head].clone(), unit)
+            sample = encode([segments[0][:head]], old, unit)
             seconds = time.perf_counter() - started
             rates = self._rates
             rates.encode = rates.blend(rates.encode, seconds / head)
-            rates.ratio = sample.header.body_bytes / head
+            if prior:
+                rates.ratio = sample.header.body_bytes / head
+        if not self.keeping:
+            return
+        self._touched = True
+        base = self._base(bucket)
         at = 0
         for segment in segments:
             base[at : at + segment.numel()].copy_(segment)

@@ -58,11 +58,19 @@ class LinkedTrainerInfo(PipelineSettings):
     of what its model does not hold as wire bytes."""
     delta_full_every: int = 0
     """With `delta`: send a full round every this many rounds (0: only when needed)."""
+    delta_policy: str = "auto"
+    """With `delta`: `"auto"` sends a delta round only where the rates measured so far
+    say it is faster than a full one (so a fast local link gets full rounds);
+    `"always"` sends every round it can as a delta."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bool("delta", self.delta)
         check_int_in("delta_full_every", self.delta_full_every, 0, 2**31)
+        if self.delta_policy not in ("auto", "always"):
+            raise ValueError(
+                f"delta_policy should be 'auto' or 'always', got {self.delta_policy!r}"
+            )
         check_host("host", self.host)
         check_port("port", self.port, allow_zero=True)
         if self.advertise_host is not None:

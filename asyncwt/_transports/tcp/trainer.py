@@ -24,7 +24,9 @@ class TcpSender(LinkedSender):
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
         self.delta = (
-            DeltaLinks(self.links, plan, full_every=info.delta_full_every) if info.delta else None
+            DeltaLinks(self.links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
+            if info.delta
+            else None
         )
 
     @property
