@@ -124,14 +124,20 @@ a delta: the encoding's bytes and cost), `"auto"` (what a user gets: deltas only
 where they pay) and `delta=False` (the full round, the baseline)."""
 
 
-def _info(kind: str, bucket: int) -> TcpTrainerInitInfo:
+def _info(kind: str, bucket: int, host: str) -> TcpTrainerInitInfo:
     if kind == "full":
-        return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket)
-    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, delta=True, delta_policy=kind)
+        return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host)
+    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host, delta=True, delta_policy=kind)
 
 
 async def run_lr(
-    lr: float, shape: LlamaShape, args: argparse.Namespace, urls: list[str]
+    lr: float,
+    shape: LlamaShape,
+    args: argparse.Namespace,
+    urls: list[str],
+    *,
+    api_key: str | None = None,
+    host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     master = init_master(shape, args.seed)
@@ -141,12 +147,12 @@ async def run_lr(
     batches = token_stream(shape.vocab, args.batch, args.seq, args.steps, args.seed + 1)
     bucket = args.bucket_mib << 20
     rows: list[dict[str, Any]] = []
-    clients = {kind: HttpClient(url) for kind, url in zip(KINDS, urls)}
+    clients = {kind: HttpClient(url, api_key=api_key) for kind, url in zip(KINDS, urls)}
     engines = {}
     try:
         for kind in KINDS:
             engines[kind] = await trainer_init(
-                _info(kind, bucket), client=clients[kind], source=ModuleSource(mirror)
+                _info(kind, bucket, host), client=clients[kind], source=ModuleSource(mirror)
             )
         for step in range(args.steps + 1):
             loss = float("nan")
@@ -252,6 +258,87 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _cluster_trainer(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    shape = shape_for(args.quick)
+    params = sum(math.prod(d) for _, d in shape.param_shapes())
+    runs = [
+        await run_lr(lr, shape, args, plan["urls"], api_key=plan["api_key"], host=plan["host"])
+        for lr in args.lrs
+    ]
+    return {
+        "command": " ".join(
+            [os.path.basename(sys.executable), *sys.argv[sys.argv.index("--in-cluster") + 2 :]]
+        ),
+        "rate_bps": args.rate,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+            "torch": torch.__version__,
+        },
+        "model": {"params": params, "wire_bytes": shape.nbytes},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "in_cluster")},
+        "worker_peak_rss_bytes": {},
+        "runs": runs,
+    }
+
+
+def run_in_cluster(args: argparse.Namespace) -> dict[str, Any]:
+    """The same trajectory with every process on an emulated host (root needed): the
+    trainer on one, each worker on its own, every link capped at `args.rate` bit/s both
+    ways (`asyncwt._bench.cluster.hosts`). The trainer runs as a child of this script
+    inside its host's namespace (`--in-cluster`)."""
+    import secrets
+    import subprocess
+
+    from asyncwt._bench.cluster.hosts import Cluster, check_support
+    from asyncwt._cli.launch import spawn_worker, wait_for_url
+    from asyncwt._worker.server import API_KEY_ENV
+
+    check_support()
+    shape = shape_for(args.quick)
+    api_key = secrets.token_hex(16)
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            filter(
+                None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]
+            )
+        ),
+        MODEL_ENV: shape.to_json(),
+        API_KEY_ENV: api_key,
+        "OMP_NUM_THREADS": "1",
+    }
+    names = {"t0": 1, **{f"w{i}": 101 + i for i in range(len(KINDS))}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workers: list[subprocess.Popen[bytes]] = []
+    with Cluster(names) as cluster:
+        cluster.set_rate(args.rate)
+        try:
+            urls = []
+            for i in range(len(KINDS)):
+                host = cluster.hosts[f"w{i}"]
+                proc = spawn_worker(
+                    WORKER_MODEL, "--backend", "tcp", host=host.address, port=8100,
+                    env={**os.environ, **env}, prefix=host.exec_prefix(env),
+                )  # fmt: skip
+                workers.append(proc)
+                urls.append(wait_for_url(proc, 120))
+            trainer = cluster.hosts["t0"]
+            plan = {"urls": urls, "api_key": api_key, "host": trainer.address}
+            cmd = trainer.exec_prefix(env) + [
+                sys.executable, __file__, "--in-cluster", json.dumps(plan),
+                *sys.argv[1:],
+            ]  # fmt: skip
+            subprocess.run(cmd, check=True)
+        finally:
+            for proc in workers:
+                stop_worker(proc)
+        left = cluster.down()
+    if left:
+        print(f"WARNING: could not remove {left}")
+    return json.loads((out / "trajectory.json").read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, 4 steps")
@@ -263,15 +350,39 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     parser.add_argument("--out", default="bench-out/delta")
+    parser.add_argument(
+        "--rate",
+        default=None,
+        help="run on an emulated cluster with every link capped at this rate (bit/s, "
+        "e.g. 1G; root needed), instead of loopback",
+    )
+    parser.add_argument("--in-cluster", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rate is not None:
+        units = {"K": 10**3, "M": 10**6, "G": 10**9}
+        text = args.rate.upper()
+        args.rate = int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
     args.lrs = [float(x) for x in args.lrs.split(",")]
     if args.steps is None:
         args.steps = 4 if args.quick else 20
     torch.set_num_threads(args.threads)
-    result = anyio.run(main_async, args, backend="asyncio")
+    if args.rate is not None and args.in_cluster is None:
+        result = run_in_cluster(args)
+        _summary(result, Path(args.out))
+        return
+    if args.in_cluster is not None:
+        plan = json.loads(args.in_cluster)
+        result = anyio.run(_cluster_trainer, args, plan, backend="asyncio")
+    else:
+        result = anyio.run(main_async, args, backend="asyncio")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trajectory.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.in_cluster is None:
+        _summary(result, out)
+
+
+def _summary(result: dict[str, Any], out: Path) -> None:
     print()
     for run in result["runs"]:
         print(

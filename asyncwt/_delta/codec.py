@@ -23,6 +23,7 @@ import enum
 import hashlib
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -164,20 +165,41 @@ def encode(
 
     With `allow_coded=False` only the digest is computed and the body is `RAW`.
     """
+    with ThreadPoolExecutor(1, thread_name_prefix="asyncwt-digest") as hasher:
+        digest = hasher.submit(payload_digest, segments)  # beside the comparison
+        positions, values = _changes(segments, base, unit) if allow_coded else ([], [])
+        return _encoded(segments, base, unit, positions, values, digest.result(), allow_coded)
+
+
+def _changes(
+    segments: Sequence[torch.Tensor], base: torch.Tensor, unit: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The changed units' positions (in the payload) and new values, per segment."""
     positions: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     at = 0
-    if allow_coded:
-        for segment in segments:
-            n = segment.numel()
-            new = _units(segment, unit)
-            old = _units(base[at : at + n], unit)
-            changed = torch.ne(new, old).nonzero().flatten()
-            if changed.numel():
-                values.append(new[changed])
-                positions.append(changed + at // unit)
-            at += n
-    digest = payload_digest(segments)
+    for segment in segments:
+        n = segment.numel()
+        new = _units(segment, unit)
+        old = _units(base[at : at + n], unit)
+        changed = torch.ne(new, old).nonzero().flatten()
+        if changed.numel():
+            values.append(new[changed])
+            positions.append(changed + at // unit)
+        at += n
+    return positions, values
+
+
+def _encoded(
+    segments: Sequence[torch.Tensor],
+    base: torch.Tensor,
+    unit: int,
+    positions: list[torch.Tensor],
+    values: list[torch.Tensor],
+    digest: bytes,
+    allow_coded: bool,
+) -> Encoded:
+    """The smallest body for these changes; then the segments go into `base`."""
     payload = base.numel()
     count = sum(p.numel() for p in positions)
     header = DeltaHeader(Encoding.RAW, payload, 0, digest)

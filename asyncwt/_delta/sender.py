@@ -50,6 +50,9 @@ class _Rates:
 
     wire: float | None = None
     encode: float | None = None
+    """Of coding a bucket against the previous round's bytes."""
+    floor: float | None = None
+    """Of coding a bucket that did not change (the least coding can cost)."""
     ratio: float = 0.1
     """Coded bytes per payload byte, last seen (a guess until a round measures it)."""
 
@@ -126,17 +129,17 @@ class DeltaSender:
 
     def _pays(self) -> bool:
         rates = self._rates
-        if self.policy == "always" or rates.wire is None or rates.encode is None:
+        encode = rates.encode if rates.encode is not None else rates.floor
+        if self.policy == "always" or rates.wire is None or encode is None:
             return True  # nothing measured: try it, the round measures both
-        delta = rates.encode + rates.ratio * rates.wire
-        return delta < SLOWER_LIMIT * rates.wire
+        return encode + rates.ratio * rates.wire < SLOWER_LIMIT * rates.wire
 
     def _never_pays(self) -> bool:
         """Whether even a bucket that did not change costs more to code than to send."""
         rates = self._rates
-        if rates.wire is None or rates.encode is None:
+        if rates.wire is None or rates.floor is None:
             return False
-        return rates.encode >= SLOWER_LIMIT * rates.wire
+        return rates.floor >= SLOWER_LIMIT * rates.wire
 
     def end(self, round_id: int) -> None:
         """Round `round_id` was sent completely: the copy is of it, if it was kept."""
@@ -164,20 +167,22 @@ class DeltaSender:
         unit = self._units[bucket.index]
         head = min(SAMPLE_BYTES, segments[0].numel() if segments else 0) // unit * unit
         if head == SAMPLE_BYTES and not self._sampled:
-            # Once a round. Against a copy of no round, every unit differs: the time
-            # is an upper bound, and the size says nothing.
+            # Once a round: against the previous round's bytes where the copy holds
+            # them (what coding would cost, and how much it would send), else against
+            # the same bytes (what coding costs at the least).
             self._sampled = True
             prior = self._prior and self.keeping
-            old = (
-                self._base(bucket)[:head].clone() if prior else torch.zeros(head, dtype=torch.uint8)
-            )
+            new = segments[0][:head]
+            old = self._base(bucket)[:head].clone() if prior else new.clone()
             started = time.perf_counter()
-            sample = encode([segments[0][:head]], old, unit)
+            sample = encode([new], old, unit)
             seconds = time.perf_counter() - started
             rates = self._rates
-            rates.encode = rates.blend(rates.encode, seconds / head)
             if prior:
+                rates.encode = rates.blend(rates.encode, seconds / head)
                 rates.ratio = sample.header.body_bytes / head
+            else:
+                rates.floor = rates.blend(rates.floor, seconds / head)
         if not self.keeping:
             return
         self._touched = True
