@@ -176,6 +176,7 @@ async def run_lr(
                 (status,) = await client.weights_status()
                 exact &= status["checksum"] == expected and status["weight_version"] == version
             full_s = stats["full"].wall_s
+            encode_s = engines["always"].transport.delta.round_encode_s  # type: ignore[union-attr]
             row = {
                 "step": step,
                 "loss": loss,
@@ -185,6 +186,7 @@ async def run_lr(
                 "auto_wire_bytes": stats["auto"].wire_bytes,
                 "full_s": full_s,
                 "always_s": stats["always"].wall_s,
+                "always_encode_s": encode_s,
                 "auto_s": stats["auto"].wall_s,
                 "always_ratio": stats["always"].wall_s / full_s,
                 "auto_ratio": stats["auto"].wall_s / full_s,
@@ -195,7 +197,8 @@ async def run_lr(
                 f"lr {lr:g} step {step:2d} loss {loss:6.3f} | delta wire "
                 f"{row['wire_bytes'] / 2**20:7.2f} of {row['bytes'] / 2**20:.1f} MiB "
                 f"({100 * row['wire_fraction']:5.1f}%) | full {full_s:.3f}s, delta "
-                f"{row['always_s']:.3f}s (x{row['always_ratio']:.2f}), auto "
+                f"{row['always_s']:.3f}s (x{row['always_ratio']:.2f}; coding "
+                f"{encode_s:.3f}s), auto "
                 f"{row['auto_s']:.3f}s (x{row['auto_ratio']:.2f}, "
                 f"{row['auto_wire_bytes'] / 2**20:.1f} MiB) | exact={exact}",
                 flush=True,

@@ -43,6 +43,8 @@ class DeltaLinks:
         self.round_wire_bytes: int | None = None
         """Bytes that went on the wire to each worker in the last round (frame
         payloads; the mean when workers got different frames)."""
+        self.round_encode_s = 0.0
+        """Seconds the last round spent coding buckets (before each went out)."""
 
     def begin_round(self, round_id: int) -> None:
         """Choose, from every worker's READY, who gets deltas this round."""
@@ -51,6 +53,7 @@ class DeltaLinks:
         self._deltas = [p for p, c in zip(peers, chosen) if c]
         self._fulls = [p for p, c in zip(peers, chosen) if not c]
         self._wire = 0
+        self.round_encode_s = 0.0
 
     async def send_bucket(self, bucket: Bucket, segments: Sequence[Segment]) -> None:
         """Send `bucket` to every worker, coded to those that hold the copy's round."""
@@ -61,7 +64,9 @@ class DeltaLinks:
         what = f"bucket {bucket.index}"
         state = self.state
         if self._deltas:
+            started = time.perf_counter()
             coded = await anyio.to_thread.run_sync(state.encode, bucket, segments)
+            self.round_encode_s += time.perf_counter() - started
             header = coded.header
             body = (
                 [byte_view(s) for s in coded.body]

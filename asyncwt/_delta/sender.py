@@ -31,6 +31,8 @@ __all__ = ["DeltaSender", "check_delta_plan"]
 SAMPLE_BYTES = 256 << 10
 """Bytes a full round encodes on the side (of its first bucket that has them), to
 measure the encoder."""
+RESAMPLE_EVERY = 8
+"""While deltas would not pay, the encoder is measured once in this many rounds."""
 SLOWER_LIMIT = 0.9
 """A delta round is chosen only if its predicted time is below this fraction of a full one."""
 
@@ -100,6 +102,7 @@ class DeltaSender:
         """Whether this round wrote to the copy."""
         self._sampled = False
         """Whether this round measured the encoder yet."""
+        self._rounds = 0
 
     @property
     def host_bytes(self) -> int:
@@ -120,6 +123,9 @@ class DeltaSender:
         self._held, self._touched, self._sampled = self.base_round, False, False
         self._prior = bool(self.base_round)
         self.keeping = self.policy == "always" or not self._never_pays()
+        self._rounds += 1
+        # While not keeping the copy, the encoder is sampled only now and then.
+        self._sampled = not self.keeping and self._rounds % RESAMPLE_EVERY != 0
         self.round_delta = self._prior and self.keeping and not due and self._pays()
         self.base_round = 0  # the copy is being rewritten
         chosen = [self.round_delta and b == base for b in worker_bases]
