@@ -15,6 +15,7 @@ import random
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import _models
 import anyio
@@ -35,9 +36,13 @@ from _faults import (
 from asyncwt import (
     AsyncwtError,
     HttpClient,
+    LocalClient,
     ModuleSource,
     RoundStats,
+    ShmTrainerInitInfo,
     TcpTrainerInitInfo,
+    WeightTransferConfig,
+    create_worker_engine,
     model_checksum,
     trainer_init,
 )
@@ -425,3 +430,45 @@ async def test_a_delta_round_cancelled_at_seeded_points_leaves_the_previous_vers
                 assert asyncio.all_tasks() == tasks
                 assert open_fds() <= fds + 1
             print(f"rounds after a cancel that went as deltas: {kinds}")
+
+
+def _worker() -> Any:
+    return create_worker_engine(WeightTransferConfig(backend="tcp"), model=_models.mixed())
+
+
+@pytest.mark.asyncio
+async def test_backends_without_delta_rounds_refuse_delta() -> None:
+    worker = _worker()
+    info = ShmTrainerInitInfo(rank=0, delta=True)
+    try:
+        with pytest.raises(ValueError, match=r"^delta should be False for the shm backend"):
+            await trainer_init(
+                info, client=LocalClient([worker]), source=ModuleSource(_models.mixed())
+            )
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_only_the_worker_that_lost_its_base_gets_a_full_round() -> None:
+    workers = [_worker(), _worker()]
+    model = _models.mixed()
+    _models.randomize(model, seed=11)
+    client = LocalClient(workers)
+    engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+    try:
+        await engine.send_weights(weight_version="v0")
+        nudge(model, seed=12, fraction=0.01)
+        workers[1]._delta.base_round = 0  # as after a failed round on that worker alone
+        stats = await engine.send_weights(weight_version="v1")
+        # The mean of a delta to one worker and the payload to the other.
+        assert stats.bytes / 2 < stats.wire_bytes < stats.bytes * 0.6
+        for worker in workers:
+            assert worker.weight_version == "v1"
+            assert model_checksum(worker.model) == model_checksum(model)
+        nudge(model, seed=13, fraction=0.01)
+        assert is_delta(await engine.send_weights(weight_version="v2"))
+    finally:
+        await engine.shutdown()
+        for worker in workers:
+            worker.shutdown()
