@@ -243,7 +243,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for proc, _ in workers:
             stop_worker(proc)
     return {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(["python", "benchmarks/delta_trajectory.py", *sys.argv[1:]]),
         "machine": {
             "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(),
@@ -270,7 +270,11 @@ async def _cluster_trainer(args: argparse.Namespace, plan: dict[str, Any]) -> di
     ]
     return {
         "command": " ".join(
-            [os.path.basename(sys.executable), *sys.argv[sys.argv.index("--in-cluster") + 2 :]]
+            [
+                "python",
+                "benchmarks/delta_trajectory.py",
+                *sys.argv[sys.argv.index("--in-cluster") + 2 :],
+            ]
         ),
         "rate_bps": args.rate,
         "machine": {
