@@ -57,6 +57,10 @@ RAW_FRACTION = 0.75
 """A coded body must be at most this fraction of the payload, else the bucket
 goes raw: decoding a body that saves little costs more than it saves."""
 ZSTD_LEVEL = 1
+CODING_THREADS = 2
+"""Threads that compare a bucket's pieces with the previous bytes (a third hashes it)."""
+PIECE_BYTES = 4 << 20
+"""The most bytes one comparison covers: a bucket is compared in pieces on the threads."""
 
 
 class Encoding(enum.IntEnum):
@@ -165,29 +169,36 @@ def encode(
 
     With `allow_coded=False` only the digest is computed and the body is `RAW`.
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="asyncwt-digest") as hasher:
-        digest = hasher.submit(payload_digest, segments)  # beside the comparison
-        positions, values = _changes(segments, base, unit) if allow_coded else ([], [])
+    pieces = _pieces(segments, unit) if allow_coded else []
+    with ThreadPoolExecutor(1 + CODING_THREADS, thread_name_prefix="asyncwt-code") as pool:
+        digest = pool.submit(payload_digest, segments)  # beside the comparison
+        found = list(pool.map(lambda piece: _changes(piece, base, unit), pieces))
+        positions = [p for p, _ in found if p.numel()]
+        values = [v for p, v in found if p.numel()]
         return _encoded(segments, base, unit, positions, values, digest.result(), allow_coded)
 
 
-def _changes(
-    segments: Sequence[torch.Tensor], base: torch.Tensor, unit: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The changed units' positions (in the payload) and new values, per segment."""
-    positions: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+def _pieces(segments: Sequence[torch.Tensor], unit: int) -> list[tuple[torch.Tensor, int]]:
+    """The payload cut into runs of at most `PIECE_BYTES` (whole units), with where each starts."""
+    pieces = []
     at = 0
+    step = PIECE_BYTES // unit * unit
     for segment in segments:
-        n = segment.numel()
-        new = _units(segment, unit)
-        old = _units(base[at : at + n], unit)
-        changed = torch.ne(new, old).nonzero().flatten()
-        if changed.numel():
-            values.append(new[changed])
-            positions.append(changed + at // unit)
-        at += n
-    return positions, values
+        for start in range(0, segment.numel(), step):
+            pieces.append((segment[start : start + step], at + start))
+        at += segment.numel()
+    return pieces
+
+
+def _changes(
+    piece: tuple[torch.Tensor, int], base: torch.Tensor, unit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed units' positions (in the payload) and new values of one piece."""
+    data, at = piece
+    new = _units(data, unit)
+    old = _units(base[at : at + data.numel()], unit)
+    changed = torch.ne(new, old).nonzero().flatten()
+    return changed + at // unit, new[changed]
 
 
 def _encoded(
