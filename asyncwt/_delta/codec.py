@@ -59,7 +59,7 @@ goes raw: decoding a body that saves little costs more than it saves."""
 ZSTD_LEVEL = 1
 CODING_THREADS = 2
 """Threads that compare a bucket's pieces with the previous bytes (a third hashes it)."""
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 2 << 20
 """The most bytes one comparison covers: a bucket is compared in pieces on the threads."""
 
 

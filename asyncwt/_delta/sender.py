@@ -28,7 +28,7 @@ from .codec import Encoded, encode, unit_of
 
 __all__ = ["DeltaSender", "check_delta_plan"]
 
-SAMPLE_BYTES = 256 << 10
+SAMPLE_BYTES = 4 << 20
 """Bytes a full round encodes on the side (of its first bucket that has them), to
 measure the encoder."""
 RESAMPLE_EVERY = 8
