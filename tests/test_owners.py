@@ -245,3 +245,5 @@ async def test_owner_senders_refuse_other_backends_topologies_and_sources() -> N
         )
     with pytest.raises(ValueError, match="senders should be 'rank0' or 'owners', got 'all'"):
         asyncwt.TcpTrainerInitInfo(rank=0, senders="all")
+    with pytest.raises(ValueError, match="delta should be False with senders='owners'"):
+        asyncwt.TcpTrainerInitInfo(rank=0, senders="owners", delta=True)

@@ -36,6 +36,9 @@ class RoundStats:
     bytes: int
     """Payload bytes this rank sent to each worker (0 on non-sender ranks; with
     `senders="owners"`, this rank's share)."""
+    wire_bytes: int = 0
+    """Bytes that went on the wire to each worker: `bytes` in a full round, less in a
+    delta round (the mean when workers got different frames; frame headers aside)."""
     buckets: int
     """Buckets sent to each worker."""
     workers: int
@@ -63,6 +66,7 @@ class RoundStats:
         stages = " ".join(f"{k}={v:.3f}s" for k, v in self.stage_busy_s.items())
         return (
             f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB "
+            f"({self.wire_bytes / 2**20:.1f} MiB on the wire) "
             f"in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
             f"{self.throughput_gbps:.2f} GB/s; busy {stages}"
         )

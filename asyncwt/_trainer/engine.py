@@ -67,6 +67,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     """
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
+    supports_delta: ClassVar[bool] = False
+    """Whether the backend sends delta rounds (`delta=True` in its init info)."""
 
     def __init__(
         self,
@@ -140,6 +142,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             raise ValueError(
                 f"source should be a WeightSource implementing iter_full (rank 0 sends full "
                 f"tensors), got {type(source).__name__}"
+            )
+        if getattr(init_info, "delta", False) and not cls.supports_delta:
+            raise ValueError(
+                f"delta should be False for the {init_info.backend} backend (delta rounds "
+                f"run on tcp), got True"
             )
         settings: PipelineSettings = init_info  # type: ignore[assignment]
         plan = TransferPlan.build(
@@ -373,6 +380,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             round_id=round_id,
             weight_version=weight_version,
             bytes=self.plan.total_bytes if sent else 0,
+            wire_bytes=self._wire_bytes() if sent else 0,
             buckets=len(self.plan.buckets) if sent else 0,
             workers=self.num_workers if sent else 0,
             wall_s=time.perf_counter() - started,
@@ -381,6 +389,10 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         )
         logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
         return stats
+
+    def _wire_bytes(self) -> int:
+        reported = getattr(self.transport, "round_wire_bytes", None)
+        return reported if isinstance(reported, int) else self.plan.total_bytes
 
     async def shutdown(self) -> None:
         """Close the transport. Idempotent."""

@@ -133,6 +133,9 @@ class ReceivedBucket:
     """Bytes of the slices not received in place, at their plan offsets."""
     release: Callable[[], None]
     """Call when the last reader of `buffer` is done."""
+    coded: object | None = None
+    """The bucket's delta header (`asyncwt._delta.codec.DeltaHeader`) when it came
+    as a DELTA frame: `buffer` then holds its body, unless the body is raw."""
 
 
 class ReceiverTransport(ABC):
@@ -142,6 +145,10 @@ class ReceiverTransport(ABC):
     """Whether it may write a parameter's bytes straight into the model (where the
     model takes them as they are); else every bucket arrives in a buffer it owns
     and the applier copies out of it. Known once the receiver is made."""
+
+    delta_base: int = 0
+    """With delta rounds: the round whose bytes this worker holds (0: none), which
+    the next `receive_round` announces to the trainer. Set by the engine."""
 
     @abstractmethod
     def connect(self) -> None:

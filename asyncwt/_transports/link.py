@@ -29,12 +29,13 @@ from .._core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from .._core.plan import TransferPlan
+from .._core.plan import Bucket, TransferPlan
 from .base import InitWorkers, SenderTransport
 from .sockio import async_recv_exact, async_send_segments, recv_exact, send_all
 from .wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
+    DELTA_HEADER_BYTES,
     FRAME_SIZE,
     HELLO_SIZE,
     PROOF_SIZE,
@@ -92,6 +93,8 @@ class Peer:
     reads_directly: bool = False
     """Whether its last READY said it reads buckets from this process's memory
     (BUCKET_AT frames, same host) rather than from a shared ring."""
+    base: int = 0
+    """The round whose bytes it said (READY) it holds, low 32 bits; 0: none."""
 
     def close(self, why: str) -> None:
         if self.broken is None:
@@ -113,6 +116,8 @@ class TrainerLinks:
         self.direct_reads = False
         """Whether workers may read buckets from this process's memory: READY's
         `slot` 1 says a worker does (see `Peer.reads_directly`)."""
+        self.delta = False
+        """Whether READY may name the round a worker holds (delta rounds)."""
 
     # -- init -------------------------------------------------------------------------
 
@@ -339,7 +344,9 @@ class TrainerLinks:
             raise self.protocol_error(
                 peer, f"released bucket {frame.index}; the plan has {len(self.plan.buckets)}"
             )
-        if frame.kind == FrameKind.READY and (frame.index or frame.slot > self.direct_reads):
+        if frame.kind == FrameKind.READY and (
+            (frame.index and not self.delta) or frame.slot > self.direct_reads
+        ):
             raise self.protocol_error(
                 peer,
                 f"sent READY with bucket {frame.index} and slot {frame.slot}; bucket should be "
@@ -382,6 +389,7 @@ class TrainerLinks:
                         )
                     if frame.round_id == round_id:
                         peer.reads_directly = frame.slot == 1
+                        peer.base = frame.index
                         return
         except TimeoutError:
             peer.close("did not start receiving")
@@ -508,6 +516,16 @@ def connect_link(
     return sock
 
 
+def check_delta_frame(round_id: int, bucket: Bucket, frame: Frame) -> None:
+    """A DELTA frame's length is bounded by the bucket's payload and a delta header."""
+    if not DELTA_HEADER_BYTES <= frame.nbytes <= bucket.payload_bytes + DELTA_HEADER_BYTES:
+        raise ProtocolError(
+            f"round {round_id}: a delta of bucket {bucket.index} should carry "
+            f"{DELTA_HEADER_BYTES} to {bucket.payload_bytes + DELTA_HEADER_BYTES} bytes, "
+            f"the header says {frame.nbytes}"
+        )
+
+
 def read_abort_reason(sock: socket.socket, frame: Frame) -> str:
     """The UTF-8 reason that follows an ABORT header (bounded before it is read)."""
     if frame.nbytes > ABORT_REASON_MAX:
@@ -535,6 +553,7 @@ class WorkerLink:
         *,
         slots: int = 1,
         reads_directly: bool = False,
+        delta: bool = False,
     ) -> None:
         self.sock = sock
         self.plan = plan
@@ -543,6 +562,8 @@ class WorkerLink:
         self.reads_directly = reads_directly
         self.bucket_kind = FrameKind.BUCKET_AT if reads_directly else FrameKind.BUCKET
         self.digest = digest_prefix(plan.digest)
+        self.delta = delta
+        """Whether DELTA frames may come (see `asyncwt._delta`)."""
         self.broken = False
         self.bucket: int | None = None
         """The bucket being received (for error messages), or None between buckets."""
@@ -556,19 +577,21 @@ class WorkerLink:
             send_all(self.sock, frame.pack())
 
     def frames(
-        self, round_id: int, after_ready: Callable[[], object] | None = None
+        self, round_id: int, after_ready: Callable[[], object] | None = None, *, base: int = 0
     ) -> Iterator[Frame]:
         """Announce `round_id` (READY) and yield its BUCKET headers, in order, until END.
 
         `after_ready` runs once READY is sent (the trainer may now wait on a
         collective). The caller reads each bucket's payload before asking for the
         next frame. Every header is checked against the plan before anything else
-        is read.
+        is read. With `delta`, READY names the round `base` this worker holds, and
+        DELTA frames may come instead of bucket frames.
         """
         plan = self.plan
         self.sock.settimeout(self.recv_timeout)
         self.bucket, self.next_bucket = None, 0
-        self.send(Frame(FrameKind.READY, round_id, 0, self.digest, 0, int(self.reads_directly)))
+        held = base & 0xFFFFFFFF if self.delta else 0
+        self.send(Frame(FrameKind.READY, round_id, held, self.digest, 0, int(self.reads_directly)))
         if after_ready is not None:
             after_ready()
         expected = 0
@@ -601,7 +624,8 @@ class WorkerLink:
                         f"{frame.nbytes} bytes in slot {frame.slot}"
                     )
                 return
-            if frame.kind != self.bucket_kind:
+            delta = frame.kind == FrameKind.DELTA and self.delta
+            if frame.kind != self.bucket_kind and not delta:
                 raise ProtocolError(
                     f"round {round_id}: unexpected {frame.kind.name} frame (this worker takes "
                     f"{self.bucket_kind.name})"
@@ -611,7 +635,9 @@ class WorkerLink:
                     f"round {round_id}: expected bucket {expected}, got bucket {frame.index}"
                 )
             bucket = plan.buckets[expected]
-            if frame.nbytes != bucket.payload_bytes:
+            if delta:
+                check_delta_frame(round_id, bucket, frame)
+            elif frame.nbytes != bucket.payload_bytes:
                 raise ProtocolError(
                     f"round {round_id}: bucket {expected} should carry {bucket.payload_bytes} "
                     f"bytes, the header says {frame.nbytes}"

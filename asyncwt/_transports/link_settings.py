@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .._core.settings import PipelineSettings, WorkerPlanInfo
-from .._core.validate import check_host, check_port, check_positive, check_str, check_timeout
+from .._core.validate import (
+    check_bool,
+    check_host,
+    check_int_in,
+    check_port,
+    check_positive,
+    check_str,
+    check_timeout,
+)
 from .link import LinkSettings
 
 __all__ = ["LinkedTrainerInfo", "LinkedWorkerInfo"]
@@ -47,9 +56,26 @@ class LinkedTrainerInfo(PipelineSettings):
     """Seconds a connection has to complete its handshake (the worker's HELLO and
     PROOF) before the trainer drops it: an idle connection holds a handshake slot at
     most this long."""
+    delta: bool = False
+    """Send each round as a lossless delta against the bytes the workers hold for the
+    previous round, where that pays (`"tcp"` only; see `asyncwt._delta`). The
+    trainer keeps a host copy of the payload it last sent; a worker keeps a shadow
+    of what its model does not hold as wire bytes."""
+    delta_full_every: int = 0
+    """With `delta`: send a full round every this many rounds (0: only when needed)."""
+    delta_policy: str = "auto"
+    """With `delta`: `"auto"` sends a delta round only where the rates measured so far
+    say it is faster than a full one (so a fast local link gets full rounds);
+    `"always"` sends every round it can as a delta."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_bool("delta", self.delta)
+        check_int_in("delta_full_every", self.delta_full_every, 0, 2**31)
+        if self.delta_policy not in ("auto", "always"):
+            raise ValueError(
+                f"delta_policy should be 'auto' or 'always', got {self.delta_policy!r}"
+            )
         check_host("host", self.host)
         check_port("port", self.port, allow_zero=True)
         if self.advertise_host is not None:
@@ -60,6 +86,17 @@ class LinkedTrainerInfo(PipelineSettings):
         check_timeout("handshake_timeout", self.handshake_timeout)
         if self.senders not in ("rank0", "owners"):
             raise ValueError(f"senders should be 'rank0' or 'owners', got {self.senders!r}")
+        if self.senders == "owners" and self.delta:
+            raise ValueError(
+                "delta should be False with senders='owners' (delta rounds are sent from "
+                "rank 0's full tensors), got True"
+            )
+
+    def worker_fields(self) -> dict[str, Any]:
+        fields_ = super().worker_fields()
+        if self.delta:
+            fields_["delta"] = True
+        return fields_
 
     def link_settings(self) -> LinkSettings:
         """What the trainer side of the links reads of these settings."""
@@ -74,9 +111,12 @@ class LinkedWorkerInfo(WorkerPlanInfo):
     host: str = ""
     port: int = 0
     token: str = ""
+    delta: bool = False
+    """Whether the trainer may send delta rounds (the worker then keeps what it needs)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_bool("delta", self.delta)
         check_host("host", self.host)
         check_port("port", self.port)
         check_str("token", self.token, min_chars=1, secret=True)

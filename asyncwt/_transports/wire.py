@@ -26,6 +26,7 @@ from .._core.errors import AuthenticationError, PlanMismatchError, ProtocolError
 
 __all__ = [
     "ABORT_REASON_MAX",
+    "DELTA_HEADER_BYTES",
     "FRAME_SIZE",
     "Frame",
     "FrameKind",
@@ -38,6 +39,8 @@ _FRAME = struct.Struct("<4sB3sQII16sQ")
 _RESERVED = bytes(3)
 FRAME_SIZE = _FRAME.size
 ABORT_REASON_MAX = 4096
+DELTA_HEADER_BYTES = 56
+"""Length of the header that opens a DELTA frame's payload (`asyncwt._delta.codec`)."""
 DIGEST_PREFIX = 16
 
 
@@ -59,6 +62,11 @@ class FrameKind(enum.IntEnum):
     """Trainer → worker: bucket `index` (`nbytes` long) lies in the trainer's memory;
     one little-endian u64 address per slice of the bucket follows, for the worker
     to read from (same host, see `asyncwt._transports.shm.cma`)."""
+    DELTA = 7
+    """Trainer → worker: bucket `index` coded against the previous round's bytes;
+    `nbytes` of a delta header and its body follow (`asyncwt._delta.codec`). In a
+    round with deltas, READY's `index` names the round whose bytes the worker holds
+    (its low 32 bits; 0: none)."""
 
 
 @dataclass(frozen=True, slots=True)

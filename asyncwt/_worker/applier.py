@@ -347,20 +347,32 @@ class DeferredApplier:
         bucket: Bucket,
         buffer: torch.Tensor | None,
         release: Callable[[], None],
+        prepare: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         """Queue `bucket` (received into `buffer`) for applying; `release` frees the buffer.
 
         The bucket becomes one job per part (`bucket_parts`); `release` runs once,
-        after the last of them.
+        after the last of them. With `prepare` (decoding a delta), the bucket is one
+        job that first runs `prepare` and applies from the buffer it returns.
         """
         whole, parts = bucket_parts(target, bucket, self._threads, self._min_part_bytes)
         jobs: list[tuple[list[Slice], list[Piece]]] = [(whole, parts[0] if parts else [])]
         jobs += [([], part) for part in parts[1:]]
+        if prepare is not None:
+            jobs = [(whole, [piece for part in parts for piece in part])]
         countdown = _Countdown(len(jobs), release)
         with self._lock:
             for slices, pieces in jobs:
                 future = self._executor.submit(
-                    self._apply, target, round_id, bucket, buffer, slices, pieces, countdown.done
+                    self._apply,
+                    target,
+                    round_id,
+                    bucket,
+                    buffer,
+                    slices,
+                    pieces,
+                    countdown.done,
+                    prepare,
                 )
                 self._futures.append(future)
                 self._jobs.append((round_id, bucket, target.plan))
@@ -429,13 +441,17 @@ class DeferredApplier:
         whole: list[Slice],
         pieces: list[Piece],
         release: Callable[[], None],
+        prepare: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         where = "?"  # the parameter(s) being worked on, for the error message
-        device = buffer.device if buffer is not None and buffer.is_cuda else target.device
         try:
             with self._lock:
                 if self._error is not None:
                     return  # the round already failed; don't pile on
+            if prepare is not None:
+                where = "(decoding the bucket's delta)"
+                buffer = prepare()
+            device = buffer.device if buffer is not None and buffer.is_cuda else target.device
             with self._on_device(device):
                 where = self._apply_on_stream(target, buffer, whole, pieces)
         except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost

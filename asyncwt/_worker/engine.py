@@ -28,6 +28,7 @@ from .._core.errors import (
 )
 from .._core.plan import Bucket, TransferPlan
 from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
+from .._delta.receiver import WorkerDelta
 from .._trainer.lanes import staging_buffer
 from .._transports.base import LandingTarget, ReceiverTransport
 from .applier import DeferredApplier, ModelTarget, weights_loader
@@ -176,15 +177,21 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         self._recv_timeout = WorkerPlanInfo.recv_timeout
         self._receiving = threading.Lock()
         """Held while a round is received: a late call waits for an aborted one to end."""
+        self._delta: WorkerDelta | None = None
+        """The previous version's bytes, when the trainer sends delta rounds."""
 
     @abstractmethod
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         """The backend's receiving side for this worker."""
 
     def _resolve(
-        self, model: torch.nn.Module, plan: TransferPlan, receiver: ReceiverTransport
+        self,
+        model: torch.nn.Module,
+        plan: TransferPlan,
+        receiver: ReceiverTransport,
+        delta: WorkerDelta | None = None,
     ) -> ModelTarget:
-        return ModelTarget.resolve(
+        target = ModelTarget.resolve(
             model,
             plan,
             self.config.transform,
@@ -192,6 +199,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             in_place=receiver.lands_in_place,
             staged=self.config.staged,
         )
+        return delta.adapt(target) if delta is not None else target
 
     def receive_pool(
         self, info: WorkerPlanInfo, plan: TransferPlan, *, on_device: bool = False
@@ -230,10 +238,11 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             receiver, plan = owners_receiver(self, init_info)
         else:
             receiver = self.make_receiver(init_info, plan)
-        target = self._resolve(self.model, plan, receiver)
+        delta = WorkerDelta(plan) if getattr(init_info, "delta", False) else None
+        target = self._resolve(self.model, plan, receiver, delta)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
-        self._plan, self._target = plan, target
+        self._plan, self._target, self._delta = plan, target, delta
         self._last_round = self._received_round = 0
         self._round_error = None
         self._trainer_id = init_info.trainer_id
@@ -284,16 +293,27 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                 f"recv_timeout={self._recv_timeout}s; init_weight_transfer_engine again to reset"
             )
         was_incomplete = self.weights_incomplete
+        delta = self._delta
+        base = 0
+        if delta is not None:
+            base = receiver.delta_base = delta.begin_receive()
         try:
             if target.commit is None:
                 self.weights_incomplete = True  # bytes land in the live weights from now on
             for received in receiver.receive_round(round_id, target):
                 self._applier.submit(
-                    target, round_id, received.bucket, received.buffer, received.release
+                    target,
+                    round_id,
+                    received.bucket,
+                    received.buffer,
+                    received.release,
+                    delta.prepare(target, received) if delta is not None else None,
                 )
         except BaseException as exc:
             if isinstance(exc, TransferAbortedError) and exc.buckets_received == 0:
                 self.weights_incomplete = was_incomplete  # aborted before any byte landed
+                if delta is not None and self._delta is delta:
+                    delta.published(base)  # nothing was written: the base still holds
             # A receive overtaken by a new init (its trainer died, a new one connected)
             # must not poison the new connection's rounds: record only the current one.
             if self._is_current(receiver, round_id):
@@ -364,6 +384,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                 ) from exc
         self.weight_version = weight_version
         self.weights_incomplete = False
+        if self._delta is not None:
+            self._delta.published(round_id)
 
     def _outcome(self) -> str:
         """What a failed round left behind, for error messages."""
@@ -400,12 +422,12 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
         if self._plan is not None and self.receiver is not None:
-            self._target = self._resolve(model, self._plan, self.receiver)
+            self._target = self._resolve(model, self._plan, self.receiver, self._delta)
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
         if self._plan is not None and self.receiver is not None:
-            self._target = self._resolve(self.model, self._plan, self.receiver)
+            self._target = self._resolve(self.model, self._plan, self.receiver, self._delta)
 
     def shutdown(self) -> None:
         """Disconnect and stop the apply threads (after queued work, up to `drain_timeout`)."""

@@ -6,6 +6,7 @@ import torch
 
 from ..._core.bytes import byte_view
 from ..._core.plan import Bucket, TransferPlan
+from ..._delta.links import DeltaLinks
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..base import Segment, SenderTransport
 from ..link import LinkedSender
@@ -22,8 +23,36 @@ class TcpSender(LinkedSender):
 
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
+        self.delta = (
+            DeltaLinks(self.links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
+            if info.delta
+            else None
+        )
+
+    @property
+    def round_wire_bytes(self) -> int | None:
+        """Bytes on the wire to each worker in the last round (delta rounds), else None."""
+        return self.delta.round_wire_bytes if self.delta is not None else None
+
+    async def begin_round(self, round_id: int) -> None:
+        await super().begin_round(round_id)
+        if self.delta is not None:
+            self.delta.begin_round(round_id)
+
+    async def end_round(self) -> None:
+        await super().end_round()
+        if self.delta is not None:
+            self.delta.end_round(self.links.round_id)
+
+    async def abort_round(self, reason: str) -> None:
+        if self.delta is not None:
+            self.delta.abort_round()
+        await super().abort_round(reason)
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
+        if self.delta is not None:
+            await self.delta.send_bucket(bucket, segments)
+            return
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
         frame = [memoryview(header.pack()), *map(byte_view, segments)]
         await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}")
@@ -38,6 +67,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     """
 
     init_info_cls = TcpTrainerInitInfo
+    supports_delta = True
 
     @classmethod
     def make_transport(

@@ -6,10 +6,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._core.plan import TransferPlan
+from ..._delta.receiver import receive_delta
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
 from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
 from ..link import WorkerLink, connect_link
 from ..sockio import recv_segments
+from ..wire import FrameKind
 from .settings import TcpWorkerInitInfo
 
 __all__ = ["TcpReceiver", "TcpWorkerEngine"]
@@ -32,7 +34,7 @@ class TcpReceiver(ReceiverTransport):
     def connect(self) -> None:
         info = self.info
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
-        self.link = WorkerLink(sock, self.plan, info.recv_timeout)
+        self.link = WorkerLink(sock, self.plan, info.recv_timeout, delta=info.delta)
 
     @property
     def usable(self) -> bool:
@@ -42,8 +44,11 @@ class TcpReceiver(ReceiverTransport):
         link = self.link
         assert link is not None
         with link.guard(round_id):
-            for frame in link.frames(round_id):
+            for frame in link.frames(round_id, base=self.delta_base):
                 bucket = self.plan.buckets[frame.index]
+                if frame.kind == FrameKind.DELTA:
+                    yield receive_delta(link.sock, frame, bucket, self.pool, target)
+                    continue
                 buffer, release, segments = self.pool.landing(bucket, target)
                 try:
                     recv_segments(link.sock, segments)

@@ -1,0 +1,1 @@
+"""Delta rounds: send only what changed since the workers' version, losslessly, checked."""

@@ -1,0 +1,285 @@
+"""Lossless bucket deltas: encode new wire bytes against the previous ones (sans-I/O).
+
+A bucket's payload is its slices' bytes back to back. Against the payload the
+workers hold for the previous version (the *base*), the trainer picks the smallest
+of three encodings:
+
+- `RAW`: the new payload itself;
+- `SPARSE`: the changed units (none, for a bucket that did not change) (2 bytes when every slice is an even number of
+  bytes long, else 1), as `count` little-endian u32 gaps between their positions
+  (the first gap is the first position) followed by their `count` new values;
+- `ZSPARSE`: `SPARSE` compressed with zstandard, tried where the sparse body is
+  large enough for a compressor to pay.
+
+A coded bucket always travels with `DeltaHeader`: the encoding, the body's length,
+the count of changed units and the SHA-256 of the resulting payload, which the
+worker checks before it may publish the round. Every field is validated against
+the plan before a byte of the body is read or allocated.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from .._core.bytes import byte_view
+from .._core.errors import ProtocolError
+from .._core.plan import Bucket
+from .._transports.wire import DELTA_HEADER_BYTES
+
+__all__ = [
+    "DELTA_HEADER_SIZE",
+    "DeltaHeader",
+    "Encoded",
+    "Encoding",
+    "apply_sparse",
+    "decode_sparse",
+    "encode",
+    "payload_digest",
+    "unit_of",
+]
+
+_HEADER = struct.Struct("<4sB3xQQ32s")
+DELTA_HEADER_SIZE = _HEADER.size
+assert DELTA_HEADER_SIZE == DELTA_HEADER_BYTES
+_MAGIC = b"AWTD"
+ZSTD_MIN_BYTES = 4096
+"""Sparse bodies shorter than this go uncompressed: the compressor's frame and
+the call cost more than they save."""
+RAW_FRACTION = 0.75
+"""A coded body must be at most this fraction of the payload, else the bucket
+goes raw: decoding a body that saves little costs more than it saves."""
+ZSTD_LEVEL = 1
+CODING_THREADS = 2
+"""Threads that compare a bucket's pieces with the previous bytes (a third hashes it)."""
+PIECE_BYTES = 2 << 20
+"""The most bytes one comparison covers: a bucket is compared in pieces on the threads."""
+
+
+class Encoding(enum.IntEnum):
+    """How a bucket's body encodes its new payload."""
+
+    RAW = 0
+    SPARSE = 1
+    ZSPARSE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaHeader:
+    """What precedes a coded bucket's body on the wire."""
+
+    encoding: Encoding
+    body_bytes: int
+    """Bytes of body that follow the header."""
+    count: int
+    """Changed units (`SPARSE`, `ZSPARSE`); 0 for `RAW`."""
+    digest: bytes
+    """SHA-256 of the bucket's resulting payload."""
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(_MAGIC, self.encoding, self.body_bytes, self.count, self.digest)
+
+    @classmethod
+    def unpack(cls, data: bytes, bucket: Bucket, unit: int, body_bytes: int) -> DeltaHeader:
+        """Parse and check a header for `bucket` whose frame carries `body_bytes` of body.
+
+        Raises `ProtocolError` on anything the plan does not allow: a body longer
+        than the payload, a count of units the payload cannot hold, a `SPARSE` body
+        whose length does not match its count.
+        """
+        if len(data) != DELTA_HEADER_SIZE:
+            raise ProtocolError(
+                f"delta header should be {DELTA_HEADER_SIZE} bytes, got {len(data)}"
+            )
+        magic, raw_encoding, body, count, digest = _HEADER.unpack(data)
+        where = f"bucket {bucket.index}"
+        if magic != _MAGIC:
+            raise ProtocolError(f"{where}: delta header magic should be {_MAGIC!r}, got {magic!r}")
+        try:
+            encoding = Encoding(raw_encoding)
+        except ValueError:
+            raise ProtocolError(
+                f"{where}: delta encoding {raw_encoding} is not one of {list(map(int, Encoding))}"
+            ) from None
+        payload = bucket.payload_bytes
+        if body != body_bytes:
+            raise ProtocolError(
+                f"{where}: delta header says {body} body bytes, the frame carries {body_bytes}"
+            )
+        units = payload // unit
+        if encoding == Encoding.RAW:
+            if body != payload or count != 0:
+                raise ProtocolError(
+                    f"{where}: a RAW body should be the payload ({payload} bytes, count 0), "
+                    f"got {body} bytes and count {count}"
+                )
+        elif not 0 <= count <= units or (body >= payload and payload):
+            raise ProtocolError(
+                f"{where}: a {encoding.name} body should hold 0 to {units} changes in fewer "
+                f"than {payload} bytes, got {count} changes in {body} bytes"
+            )
+        elif encoding == Encoding.SPARSE and body != count * (4 + unit):
+            raise ProtocolError(
+                f"{where}: a SPARSE body of {count} changes should be {count * (4 + unit)} "
+                f"bytes, got {body}"
+            )
+        return cls(encoding, body, count, digest)
+
+
+def unit_of(bucket: Bucket) -> int:
+    """Bytes per unit a delta compares in: 2 when every slice is an even number of
+    bytes long (so each slice starts on a unit), else 1."""
+    return 2 if all(s.nbytes % 2 == 0 and s.start % 2 == 0 for s in bucket.slices) else 1
+
+
+def _units(data: torch.Tensor, unit: int) -> torch.Tensor:
+    return data.view(torch.int16) if unit == 2 else data
+
+
+def payload_digest(parts: Sequence[torch.Tensor]) -> bytes:
+    """SHA-256 of the payload made of `parts` (contiguous CPU uint8 tensors) in order."""
+    h = hashlib.sha256()
+    for part in parts:
+        if part.numel():
+            h.update(byte_view(part))
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A bucket's coded form: its header and the body to send after it."""
+
+    header: DeltaHeader
+    body: list[torch.Tensor] | bytes
+    """The new payload's segments (`RAW`) or the coded bytes."""
+
+
+def encode(
+    segments: Sequence[torch.Tensor], base: torch.Tensor, unit: int, *, allow_coded: bool = True
+) -> Encoded:
+    """Encode the payload `segments` (uint8 CPU tensors, back to back) against `base`
+    (the previous payload, as long as they are together), then copy them into `base`.
+
+    With `allow_coded=False` only the digest is computed and the body is `RAW`.
+    """
+    pieces = _pieces(segments, unit) if allow_coded else []
+    with ThreadPoolExecutor(1 + CODING_THREADS, thread_name_prefix="asyncwt-code") as pool:
+        digest = pool.submit(payload_digest, segments)  # beside the comparison
+        found = list(pool.map(lambda piece: _changes(piece, base, unit), pieces))
+        positions = [p for p, _ in found if p.numel()]
+        values = [v for p, v in found if p.numel()]
+        return _encoded(segments, base, unit, positions, values, digest.result(), allow_coded)
+
+
+def _pieces(segments: Sequence[torch.Tensor], unit: int) -> list[tuple[torch.Tensor, int]]:
+    """The payload cut into runs of at most `PIECE_BYTES` (whole units), with where each starts."""
+    pieces = []
+    at = 0
+    step = PIECE_BYTES // unit * unit
+    for segment in segments:
+        for start in range(0, segment.numel(), step):
+            pieces.append((segment[start : start + step], at + start))
+        at += segment.numel()
+    return pieces
+
+
+def _changes(
+    piece: tuple[torch.Tensor, int], base: torch.Tensor, unit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed units' positions (in the payload) and new values of one piece."""
+    data, at = piece
+    new = _units(data, unit)
+    old = _units(base[at : at + data.numel()], unit)
+    changed = torch.ne(new, old).nonzero().flatten()
+    return changed + at // unit, new[changed]
+
+
+def _encoded(
+    segments: Sequence[torch.Tensor],
+    base: torch.Tensor,
+    unit: int,
+    positions: list[torch.Tensor],
+    values: list[torch.Tensor],
+    digest: bytes,
+    allow_coded: bool,
+) -> Encoded:
+    """The smallest body for these changes; then the segments go into `base`."""
+    payload = base.numel()
+    count = sum(p.numel() for p in positions)
+    header = DeltaHeader(Encoding.RAW, payload, 0, digest)
+    body: list[torch.Tensor] | bytes = list(segments)
+    if allow_coded and count * (4 + unit) < payload * RAW_FRACTION:
+        where = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
+        changed = torch.cat(values) if values else torch.zeros(0, dtype=torch.uint8)
+        sparse = torch.cat([gaps.view(torch.uint8), changed.view(torch.uint8)])
+        coded: bytes = bytes(byte_view(sparse))
+        encoding = Encoding.SPARSE
+        if len(coded) >= ZSTD_MIN_BYTES:
+            packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(coded)
+            if len(packed) < len(coded):
+                coded, encoding = packed, Encoding.ZSPARSE
+        header = DeltaHeader(encoding, len(coded), count, digest)
+        body = coded
+    at = 0
+    for segment in segments:
+        base[at : at + segment.numel()].copy_(segment)
+        at += segment.numel()
+    return Encoded(header, body)
+
+
+def decode_sparse(
+    header: DeltaHeader, body: memoryview, units: int, unit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changed units' positions (int64, increasing, below `units`) and values of a
+    `SPARSE` or `ZSPARSE` body; a body that decodes to anything else is a `ProtocolError`."""
+    size = header.count * (4 + unit)
+    if size == 0:
+        return torch.zeros(0, dtype=torch.int64), _units(torch.zeros(0, dtype=torch.uint8), unit)
+    if header.encoding == Encoding.ZSPARSE:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"a ZSPARSE body does not decompress: {exc}") from exc
+        if len(raw) != size:
+            raise ProtocolError(
+                f"a ZSPARSE body of {header.count} changes should decompress to {size} bytes, "
+                f"got {len(raw)}"
+            )
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    else:
+        data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    values = _units(data[header.count * 4 :], unit)
+    gaps = data[: header.count * 4].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if header.count > 1 and not bool((gaps[1:] > 0).all()):
+        raise ProtocolError("a sparse body's positions should increase strictly")
+    positions = torch.cumsum(gaps, 0)
+    if int(positions[-1]) >= units:
+        raise ProtocolError(
+            f"a sparse body names unit {int(positions[-1])}; the payload has {units}"
+        )
+    return positions, values
+
+
+def apply_sparse(
+    destinations: Sequence[torch.Tensor],
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    unit: int,
+) -> None:
+    """Write `values` at `positions` (in units of the whole payload) into the payload
+    made of `destinations` (uint8 views, back to back, each a whole number of units)."""
+    at = 0
+    for destination in destinations:
+        n = destination.numel() // unit
+        lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
+        if hi > lo:
+            _units(destination, unit)[positions[lo:hi] - at] = values[lo:hi]
+        at += n

@@ -1,0 +1,181 @@
+"""The worker's side of delta rounds: the bytes it keeps, receiving and decoding deltas.
+
+A coded bucket is rebuilt from the bytes of the previous version. Where the model
+holds a parameter's wire bytes as they are (`ModelTarget.direct` with no
+transform: a CPU parameter of the wire dtype, or a staged copy of one), those
+bytes are the parameter itself and cost nothing. Every other slice is kept in a
+shadow copy: one bucket-sized host buffer per bucket that has such a slice
+(`shadow_bytes`), filled by every round, full or delta.
+
+Decoding runs on the applier's threads (`DeferredApplier.submit`'s `prepare`):
+the body is decompressed, the changed units are written into the live
+parameter or the shadow, and the SHA-256 of the resulting payload is checked
+against the trainer's before the bucket counts as applied; a mismatch fails the
+round's `finish_weight_update`, so its version is not published. The worker then
+holds no round (READY says 0) and the trainer sends it a full round next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .._core.bytes import byte_view
+from .._core.plan import Bucket, Slice, TransferPlan
+from .._transports.base import LandingTarget, ReceivedBucket
+from .._transports.sockio import recv_exact, recv_segments
+from .._transports.wire import Frame
+from .._worker.applier import ModelTarget
+from .codec import (
+    DELTA_HEADER_SIZE,
+    DeltaHeader,
+    Encoding,
+    apply_sparse,
+    decode_sparse,
+    payload_digest,
+    unit_of,
+)
+
+if TYPE_CHECKING:
+    from .._worker.engine import ReceivePool
+
+__all__ = ["DeltaDigestError", "WorkerDelta", "receive_delta"]
+
+
+class DeltaDigestError(ValueError):
+    """A bucket rebuilt from a delta does not match the trainer's digest."""
+
+
+def receive_delta(
+    sock: socket.socket, frame: Frame, bucket: Bucket, pool: ReceivePool, target: LandingTarget
+) -> ReceivedBucket:
+    """Read a DELTA frame's header and body (its header checked first): a `RAW` body
+    lands like a plain bucket (in place where it can), a coded one in a pool buffer."""
+    header = DeltaHeader.unpack(
+        recv_exact(sock, DELTA_HEADER_SIZE),
+        bucket,
+        unit_of(bucket),
+        frame.nbytes - DELTA_HEADER_SIZE,
+    )
+    if header.encoding == Encoding.RAW:
+        buffer, release, views = pool.landing(bucket, target)
+    else:
+        buffer, release = pool.take()
+        views = [byte_view(buffer)[: header.body_bytes]]
+    try:
+        recv_segments(sock, views)
+    except BaseException:
+        release()
+        raise
+    return ReceivedBucket(bucket, buffer, release, coded=header)
+
+
+class WorkerDelta:
+    """The previous version's bytes on a worker, and the decoding of each bucket."""
+
+    def __init__(self, plan: TransferPlan) -> None:
+        self.plan = plan
+        self.base_round = 0
+        """The round whose bytes this worker holds completely (0: none)."""
+        self._shadow: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._units = [unit_of(b) for b in plan.buckets]
+
+    def adapt(self, target: ModelTarget) -> ModelTarget:
+        """`target` with direct landing only where the parameter keeps the wire bytes
+        (no transform rewrites them in place): those are the base, the rest is shadowed.
+        A new target forgets the base."""
+        self.base_round = 0
+        if target.transform is None:
+            return target
+        return dataclasses.replace(target, direct=(False,) * len(target.direct))
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Host memory this worker pays for delta rounds beyond the model: its shadows."""
+        with self._lock:
+            return sum(t.numel() for t in self._shadow.values())
+
+    def begin_receive(self) -> int:
+        """A round starts writing: return the round held until now, and forget it."""
+        base, self.base_round = self.base_round, 0
+        return base
+
+    def published(self, round_id: int) -> None:
+        """Round `round_id` is applied completely: its bytes are the base now."""
+        self.base_round = round_id
+
+    def prepare(
+        self, target: ModelTarget, received: ReceivedBucket
+    ) -> Callable[[], torch.Tensor | None] | None:
+        """The applier's first step for `received`: rebuild and check it, keep it as
+        the next base; returns the buffer to apply from. `None`: nothing to do (a
+        plain bucket that landed in place entirely)."""
+        bucket = received.bucket
+        header = received.coded
+        assert header is None or isinstance(header, DeltaHeader)
+        kept = [target.direct[s.param] for s in bucket.slices]
+        if header is None and all(kept):
+            return None
+
+        def run() -> torch.Tensor | None:
+            return self._rebuild(target, bucket, received.buffer, header, kept)
+
+        return run
+
+    def _shadow_of(self, bucket: Bucket) -> torch.Tensor:
+        with self._lock:
+            shadow = self._shadow.get(bucket.index)
+            if shadow is None:
+                shadow = self._shadow[bucket.index] = torch.empty(
+                    bucket.buffer_bytes, dtype=torch.uint8
+                )
+            return shadow
+
+    def _destination(
+        self, target: ModelTarget, s: Slice, kept: bool, shadow: torch.Tensor | None
+    ) -> torch.Tensor:
+        if kept:
+            meta = self.plan.params[s.param]
+            return target.params[meta.name].data.reshape(-1).view(torch.uint8)[s.start : s.end]
+        assert shadow is not None
+        return shadow[s.offset : s.offset + s.nbytes]
+
+    def _rebuild(
+        self,
+        target: ModelTarget,
+        bucket: Bucket,
+        buffer: torch.Tensor | None,
+        header: DeltaHeader | None,
+        kept: list[bool],
+    ) -> torch.Tensor | None:
+        shadow = None if all(kept) else self._shadow_of(bucket)
+        destinations = [
+            self._destination(target, s, k, shadow) for s, k in zip(bucket.slices, kept)
+        ]
+        if header is None or header.encoding == Encoding.RAW:
+            assert buffer is not None or all(kept)
+            for s, k, destination in zip(bucket.slices, kept, destinations):
+                if not k and buffer is not None:
+                    destination.copy_(buffer[s.offset : s.offset + s.nbytes])
+        else:
+            assert buffer is not None
+            unit = self._units[bucket.index]
+            body = byte_view(buffer)[: header.body_bytes]
+            positions, values = decode_sparse(header, body, bucket.payload_bytes // unit, unit)
+            apply_sparse(destinations, positions, values, unit)
+        if header is not None and not hmac.compare_digest(
+            payload_digest(destinations), header.digest
+        ):
+            raise DeltaDigestError(
+                f"bucket {bucket.index} rebuilt from the delta does not match the trainer's "
+                f"digest: this worker's previous bytes differ from the trainer's (changed "
+                f"outside the rounds?); the round is not published and the next one is full"
+            )
+        return shadow if shadow is not None else buffer

@@ -1,0 +1,204 @@
+"""The trainer's side of delta rounds: the copy of what it last sent, and the policy.
+
+The trainer keeps one host copy of every bucket's payload as it last sent it
+(`host_bytes`: the plan's total bytes). Each worker says in its READY which round's
+bytes it holds; a worker holding the round this copy is of gets a delta round,
+any other (a worker that missed a round, restarted, joined late, or failed a
+round's digest check) gets a full one, automatically. So does everyone when the
+copy itself is not of one completed round (the first round, or after an abort),
+and every `full_every` rounds.
+
+Whether a delta round pays is decided per round from rates measured as rounds
+go: the wire's (from raw buckets sent) against the encoder's (from buckets
+encoded, or a small sample of each bucket in a full round). Where encoding would
+take longer than the bytes it saves (a fast loopback), the round goes full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._core.bytes import empty_bytes
+from .._core.plan import Bucket, TransferPlan
+from .codec import Encoded, encode, unit_of
+
+__all__ = ["DeltaSender", "check_delta_plan"]
+
+SAMPLE_BYTES = 4 << 20
+"""Bytes a full round encodes on the side (of its first bucket that has them), to
+measure the encoder."""
+RESAMPLE_EVERY = 8
+"""While deltas would not pay, the encoder is measured once in this many rounds."""
+SLOWER_LIMIT = 0.9
+"""A delta round is chosen only if its predicted time is below this fraction of a full one."""
+
+
+def check_delta_plan(plan: TransferPlan) -> None:
+    """Delta positions travel as u32: a bucket must hold fewer than 2**32 units."""
+    if plan.bucket_bytes >= 1 << 32:
+        raise ValueError(
+            f"delta=True needs bucket_bytes below 4 GiB (positions travel as 32 bits), "
+            f"got {plan.bucket_bytes}"
+        )
+
+
+@dataclass
+class _Rates:
+    """Seconds per payload byte, measured; `None` until seen."""
+
+    wire: float | None = None
+    encode: float | None = None
+    """Of coding a bucket against the previous round's bytes."""
+    floor: float | None = None
+    """Of coding a bucket that did not change (the least coding can cost)."""
+    ratio: float = 0.1
+    """Coded bytes per payload byte, last seen (a guess until a round measures it)."""
+
+    @staticmethod
+    def blend(old: float | None, new: float) -> float:
+        return new if old is None else 0.5 * old + 0.5 * new
+
+
+class DeltaSender:
+    """What the trainer keeps between rounds to send deltas, and which round to send.
+
+    `policy` `"auto"` sends a delta round only where measured rates say it pays,
+    and stops keeping the copy (a memcpy per round) while even a delta of nothing
+    would not pay (the encoder slower than the wire: a fast loopback); it keeps
+    the copy again, and so sends deltas again, once the rates say otherwise.
+    `"always"` sends every round it can as a delta.
+    """
+
+    def __init__(self, plan: TransferPlan, *, full_every: int = 0, policy: str = "auto") -> None:
+        check_delta_plan(plan)
+        self.plan = plan
+        self.full_every = full_every
+        self.policy = policy
+        self._copy: torch.Tensor | None = None
+        self._starts: list[int] = []
+        at = 0
+        for bucket in plan.buckets:
+            self._starts.append(at)
+            at += bucket.payload_bytes
+        self._units = [unit_of(b) for b in plan.buckets]
+        self.base_round = 0
+        """The round whose bytes the copy holds completely (0: none)."""
+        self._since_full = 0
+        self._rates = _Rates()
+        self.round_delta = False
+        """Whether the round being sent codes its buckets (for some worker)."""
+        self.keeping = True
+        """Whether this round's bytes go into the copy (see the class docstring)."""
+        self._prior = False
+        """Whether the copy held a whole round when this one began (so a sample of
+        it says how much changed)."""
+        self._held = 0
+        """The round the copy held when this one began."""
+        self._touched = False
+        """Whether this round wrote to the copy."""
+        self._sampled = False
+        """Whether this round measured the encoder yet."""
+        self._rounds = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this side pays for delta rounds: one copy of the payload."""
+        return self.plan.total_bytes
+
+    def _base(self, bucket: Bucket) -> torch.Tensor:
+        if self._copy is None:
+            self._copy = empty_bytes(self.plan.total_bytes)
+        start = self._starts[bucket.index]
+        return self._copy[start : start + bucket.payload_bytes]
+
+    def begin(self, round_id: int, worker_bases: Sequence[int]) -> list[bool]:
+        """Open round `round_id`; per worker (given the round each holds, as READY
+        carried it: its low 32 bits), whether it gets deltas."""
+        base = self.base_round & 0xFFFFFFFF
+        due = self.full_every > 0 and self._since_full + 1 >= self.full_every
+        self._held, self._touched, self._sampled = self.base_round, False, False
+        self._prior = bool(self.base_round)
+        self.keeping = self.policy == "always" or not self._never_pays()
+        self._rounds += 1
+        # While not keeping the copy, the encoder is sampled only now and then.
+        self._sampled = not self.keeping and self._rounds % RESAMPLE_EVERY != 0
+        self.round_delta = self._prior and self.keeping and not due and self._pays()
+        self.base_round = 0  # the copy is being rewritten
+        chosen = [self.round_delta and b == base for b in worker_bases]
+        self.round_delta = any(chosen)
+        self._since_full = self._since_full + 1 if self.round_delta else 0
+        return chosen
+
+    def _pays(self) -> bool:
+        rates = self._rates
+        encode = rates.encode if rates.encode is not None else rates.floor
+        if self.policy == "always" or rates.wire is None or encode is None:
+            return True  # nothing measured: try it, the round measures both
+        return encode + rates.ratio * rates.wire < SLOWER_LIMIT * rates.wire
+
+    def _never_pays(self) -> bool:
+        """Whether even a bucket that did not change costs more to code than to send."""
+        rates = self._rates
+        if rates.wire is None or rates.floor is None:
+            return False
+        return rates.floor >= SLOWER_LIMIT * rates.wire
+
+    def end(self, round_id: int) -> None:
+        """Round `round_id` was sent completely: the copy is of it, if it was kept."""
+        self.base_round = round_id if self.keeping else 0
+
+    def abort(self) -> None:
+        """The round was not sent completely: once a bucket of it reached the copy, the
+        copy is a mix and the next round is full; before that it still holds its round."""
+        self.base_round = 0 if self._touched else self._held
+
+    def encode(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> Encoded:
+        """Code `bucket`'s new payload against the copy, then update the copy (a thread's work)."""
+        self._touched = True
+        started = time.perf_counter()
+        coded = encode(segments, self._base(bucket), self._units[bucket.index])
+        payload = bucket.payload_bytes
+        rates = self._rates
+        rates.encode = rates.blend(rates.encode, (time.perf_counter() - started) / payload)
+        rates.ratio = coded.header.body_bytes / payload
+        return coded
+
+    def keep(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> None:
+        """Copy a bucket sent in full into the copy (while `keeping`), measuring the
+        encoder on a sample of the round's first large bucket (a thread's work)."""
+        unit = self._units[bucket.index]
+        head = min(SAMPLE_BYTES, segments[0].numel() if segments else 0) // unit * unit
+        if head == SAMPLE_BYTES and not self._sampled:
+            # Once a round: against the previous round's bytes where the copy holds
+            # them (what coding would cost, and how much it would send), else against
+            # the same bytes (what coding costs at the least).
+            self._sampled = True
+            prior = self._prior and self.keeping
+            new = segments[0][:head]
+            old = self._base(bucket)[:head].clone() if prior else new.clone()
+            started = time.perf_counter()
+            sample = encode([new], old, unit)
+            seconds = time.perf_counter() - started
+            rates = self._rates
+            if prior:
+                rates.encode = rates.blend(rates.encode, seconds / head)
+                rates.ratio = sample.header.body_bytes / head
+            else:
+                rates.floor = rates.blend(rates.floor, seconds / head)
+        if not self.keeping:
+            return
+        self._touched = True
+        base = self._base(bucket)
+        at = 0
+        for segment in segments:
+            base[at : at + segment.numel()].copy_(segment)
+            at += segment.numel()
+
+    def sent_raw(self, nbytes: int, seconds: float) -> None:
+        """A raw bucket of `nbytes` took `seconds` to reach every worker."""
+        if nbytes >= SAMPLE_BYTES and seconds > 0:
+            self._rates.wire = self._rates.blend(self._rates.wire, seconds / nbytes)

@@ -1,0 +1,474 @@
+"""Delta rounds (`delta=True`): the codec, and rounds across real processes.
+
+Two workers serve every end-to-end case: one whose model takes the wire bytes in
+place (its base is its live weights) and one with a transform (its base is a
+shadow copy). Every round is checked bit-exact on both; a delta round must put
+fewer bytes on the wire than its payload, and anything that breaks a worker's
+base (a digest mismatch, a cut or cancelled round) must end in a full round that
+is bit-exact again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import _models
+import anyio
+import pytest
+import torch
+from _faults import (
+    SMALL_TIMEOUTS,
+    FaultySource,
+    ProxyClient,
+    assert_worker_has,
+    info_for,
+    open_fds,
+    threads_in_asyncwt,
+    wait_until,
+    worker_env,
+)
+
+from asyncwt import (
+    AsyncwtError,
+    HttpClient,
+    LocalClient,
+    ModuleSource,
+    RoundStats,
+    ShmTrainerInitInfo,
+    TcpTrainerInitInfo,
+    WeightTransferConfig,
+    create_worker_engine,
+    model_checksum,
+    trainer_init,
+)
+from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._core.errors import ProtocolError
+from asyncwt._core.meta import ParamMeta
+from asyncwt._core.plan import Bucket, Slice, TransferPlan
+from asyncwt._delta.codec import (
+    DELTA_HEADER_SIZE,
+    DeltaHeader,
+    Encoding,
+    apply_sparse,
+    decode_sparse,
+    encode,
+)
+from asyncwt._delta.sender import DeltaSender
+from asyncwt._transports.wire import FRAME_SIZE
+
+uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
+
+SEED = 20261202
+
+
+# -- the codec --------------------------------------------------------------------------
+
+
+def _bucket(*lengths: int) -> Bucket:
+    slices, at = [], 0
+    for i, n in enumerate(lengths):
+        slices.append(Slice(i, 0, n, at))
+        at += -(-n // 64) * 64
+    return Bucket(0, tuple(slices), at, sum(lengths))
+
+
+def _decode(coded_header: DeltaHeader, body: bytes, base: torch.Tensor, unit: int) -> torch.Tensor:
+    out = base.clone()
+    positions, values = decode_sparse(coded_header, memoryview(body), out.numel() // unit, unit)
+    apply_sparse([out], positions, values, unit)
+    return out
+
+
+@pytest.mark.parametrize("unit", [1, 2])
+@pytest.mark.parametrize("changed", [0.0005, 0.01, 0.2, 0.9])
+def test_encode_picks_the_smallest_lossless_encoding(unit: int, changed: float) -> None:
+    generator = torch.Generator().manual_seed(int(changed * 1e4) + unit)
+    old = torch.randint(0, 256, (200_000,), dtype=torch.uint8, generator=generator)
+    new = old.clone()
+    mask = torch.rand(old.numel(), generator=generator) < changed
+    new[mask] = new[mask] + 1
+    base = old.clone()
+    coded = encode([new[:70_000], new[70_000:]], base, unit)
+    assert torch.equal(base, new), "the trainer's copy holds what was sent"
+    header = coded.header
+    if header.encoding == Encoding.RAW:
+        assert changed >= 0.2
+        assert header.body_bytes == new.numel()
+        return
+    assert changed <= 0.2 and header.body_bytes < new.numel() * 0.75
+    assert isinstance(coded.body, bytes) and len(coded.body) == header.body_bytes
+    assert torch.equal(_decode(header, coded.body, old, unit), new)
+
+
+def test_an_unchanged_payload_is_an_empty_sparse_body_with_its_digest() -> None:
+    data = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
+    coded = encode([data], data.clone(), 2)
+    assert coded.header.encoding == Encoding.SPARSE and coded.header.count == 0
+    assert coded.body == b"" and len(coded.header.digest) == 32
+    assert torch.equal(_decode(coded.header, b"", data, 2), data)
+
+
+def test_apply_sparse_spreads_positions_over_the_slices() -> None:
+    destinations = [torch.zeros(6, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
+    positions = torch.tensor([0, 2, 3, 4])  # 2-byte units across both slices
+    values = torch.tensor([1, 2, 3, 4], dtype=torch.int16)
+    apply_sparse(destinations, positions, values, 2)
+    assert destinations[0].view(torch.int16).tolist() == [1, 0, 2]
+    assert destinations[1].view(torch.int16).tolist() == [3, 4]
+
+
+def _header(encoding: int, body: int, count: int) -> bytes:
+    return (
+        DeltaHeader(Encoding.RAW, body, count, bytes(32)).pack()[:4]
+        + bytes([encoding])
+        + DeltaHeader(Encoding.RAW, body, count, bytes(32)).pack()[5:]
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "body", "message"),
+    [
+        (b"x" * 10, 10, r"^delta header should be 56 bytes, got 10$"),
+        (
+            b"XXXX" + _header(0, 100, 0)[4:],
+            100,
+            r"^bucket 0: delta header magic should be b'AWTD', got b'XXXX'$",
+        ),
+        (_header(9, 100, 0), 100, r"^bucket 0: delta encoding 9 is not one of \[0, 1, 2\]$"),
+        (
+            _header(0, 100, 0),
+            99,
+            r"^bucket 0: delta header says 100 body bytes, the frame carries 99$",
+        ),
+        (
+            _header(0, 50, 0),
+            50,
+            r"^bucket 0: a RAW body should be the payload \(100 bytes, count 0\), got 50 bytes and count 0$",
+        ),
+        (
+            _header(1, 60, 51),
+            60,
+            r"^bucket 0: a SPARSE body should hold 0 to 50 changes in fewer than 100 bytes, got 51 changes in 60 bytes$",
+        ),
+        (
+            _header(2, 100, 5),
+            100,
+            r"^bucket 0: a ZSPARSE body should hold 0 to 50 changes in fewer than 100 bytes, got 5 changes in 100 bytes$",
+        ),
+        (
+            _header(1, 31, 5),
+            31,
+            r"^bucket 0: a SPARSE body of 5 changes should be 30 bytes, got 31$",
+        ),
+    ],
+)
+def test_delta_header_is_checked_against_the_plan_before_the_body(
+    data: bytes, body: int, message: str
+) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        DeltaHeader.unpack(data, _bucket(100), 2, body)
+
+
+def test_sparse_body_positions_are_checked() -> None:
+    header = DeltaHeader(Encoding.SPARSE, 12, 2, bytes(32))
+    backwards = torch.tensor([3, 0], dtype=torch.int32).view(torch.uint8).tolist() + [0] * 4
+    with pytest.raises(
+        ProtocolError, match=r"^a sparse body's positions should increase strictly$"
+    ):
+        decode_sparse(header, memoryview(bytes(backwards)), 50, 2)
+    beyond = torch.tensor([10, 40], dtype=torch.int32).view(torch.uint8).tolist() + [0] * 4
+    with pytest.raises(ProtocolError, match=r"^a sparse body names unit 50; the payload has 50$"):
+        decode_sparse(header, memoryview(bytes(beyond)), 50, 2)
+    zipped = DeltaHeader(Encoding.ZSPARSE, 5, 2, bytes(32))
+    with pytest.raises(ProtocolError, match=r"^a ZSPARSE body does not decompress"):
+        decode_sparse(zipped, memoryview(b"12345"), 50, 2)
+
+
+def test_delta_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"^delta should be a bool"):
+        TcpTrainerInitInfo(rank=0, delta=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^delta_full_every should be"):
+        TcpTrainerInitInfo(rank=0, delta=True, delta_full_every=-1)
+
+
+def test_auto_policy_sends_deltas_only_where_they_pay_and_stops_copying_where_they_never_do() -> (
+    None
+):
+    plan = TransferPlan.build([ParamMeta("w", torch.bfloat16, (4 << 20,))], bucket_bytes=8 << 20)
+    state = DeltaSender(plan, policy="auto")
+    new = torch.randn(4 << 20).to(torch.bfloat16).view(torch.uint8)
+    assert state.begin(1, [0]) == [False] and state.keeping  # nothing held yet
+    state.keep(plan.buckets[0], [new])
+    state.end(1)
+    assert state.begin(2, [1]) == [True]  # the wire is not measured yet: try
+    state.abort()
+    state.sent_raw(8 << 20, 8.0)  # a slow wire: 1 MB/s
+    assert state.begin(2, [1]) == [True]
+    state.abort()
+    for _ in range(40):
+        state.sent_raw(8 << 20, 1e-6)  # a wire far faster than any encoder
+    assert state.begin(2, [1]) == [False] and not state.keeping
+    state.keep(plan.buckets[0], [new])  # measures the encoder, copies nothing
+    state.end(2)
+    assert state.base_round == 0, "a round not kept leaves the copy of no round"
+    always = DeltaSender(plan, policy="always")
+    always.keep(plan.buckets[0], [new])
+    always.end(1)
+    always.sent_raw(8 << 20, 1e-6)
+    assert always.begin(2, [1, 0]) == [True, False]
+
+
+# -- across processes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """A plain worker (base: its live weights) and one with a transform (base: a shadow)."""
+    started = []
+    try:
+        for extra in ([], ["--transform", "_models:identity_transform"]):
+            started.append(
+                start_worker("_models:mixed", "--backend", "tcp", *extra, env=worker_env())
+            )
+        yield started
+    finally:
+        for proc, _ in started:
+            stop_worker(proc)
+
+
+def nudge(model: torch.nn.Module, seed: int, fraction: float) -> None:
+    """Change about `fraction` of every parameter's elements (an optimizer step's shape)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel():
+                mask = torch.rand(param.shape, generator=generator) < fraction
+                param.add_(mask.to(param.dtype) * 0.25)
+
+
+def delta_info(**kwargs: object) -> TcpTrainerInitInfo:
+    info = info_for("tcp", **kwargs)
+    assert isinstance(info, TcpTrainerInitInfo)
+    info.delta = True
+    info.delta_policy = "always"  # deterministic: every round that can be a delta is one
+    return info
+
+
+def is_delta(stats: RoundStats) -> bool:
+    return stats.wire_bytes < stats.bytes // 4
+
+
+@uvloop_only
+async def test_delta_rounds_are_bit_exact_and_small_on_both_kinds_of_worker(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    urls = [url for _, url in workers]
+    async with HttpClient(urls) as client:
+        model = _models.mixed()
+        _models.randomize(model, seed=1)
+        info = delta_info(delta_full_every=4)
+        engine = await trainer_init(info, client=client, source=ModuleSource(model))
+        async with engine:
+            kinds = []
+            for i in range(9):
+                if i:
+                    nudge(model, seed=i, fraction=0.9 if i == 5 else 0.01)
+                stats = await engine.send_weights(weight_version=f"v{i}")
+                await assert_worker_has(client, model, f"v{i}")
+                kinds.append(is_delta(stats))
+                assert 0 < stats.wire_bytes <= stats.bytes + 64 * len(engine.plan.buckets)
+            # 0: no base yet; 4 and 8: delta_full_every; 5: most units changed (raw)
+            assert kinds == [False, True, True, True, False, False, True, True, False]
+
+
+@uvloop_only
+async def test_a_worker_whose_base_differs_fails_the_digest_then_gets_a_full_round(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    urls = [url for _, url in workers]
+    async with HttpClient(urls) as client:
+        model = _models.mixed()
+        _models.randomize(model, seed=2)
+        engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+        async with engine:
+            await engine.send_weights(weight_version="v0")
+            nudge(model, seed=3, fraction=0.01)
+            # The trainer's copy of bucket 0 claims the workers hold the new bytes
+            # already: it sends no change there, and their rebuilt bucket differs.
+            params = dict(model.named_parameters())
+            bucket = engine.plan.buckets[0]
+            new = torch.cat(
+                [
+                    params[engine.plan.params[s.param].name]
+                    .detach()
+                    .contiguous()
+                    .reshape(-1)
+                    .view(torch.uint8)[s.start : s.end]
+                    for s in bucket.slices
+                ]
+            )
+            copy = engine.transport.delta.state._copy  # type: ignore[attr-defined]
+            copy[: bucket.payload_bytes] = new
+            with pytest.raises(AsyncwtError, match=r"does not match the trainer's digest"):
+                await engine.send_weights(weight_version="bad")
+            for status in await client.weights_status():
+                assert status["weight_version"] == "v0"
+            nudge(model, seed=4, fraction=0.01)
+            stats = await engine.send_weights(weight_version="v1")
+            assert not is_delta(stats), "a worker that failed its check gets a full round"
+            await assert_worker_has(client, model, "v1")
+            nudge(model, seed=5, fraction=0.01)
+            stats = await engine.send_weights(weight_version="v2")
+            assert is_delta(stats)
+            await assert_worker_has(client, model, "v2")
+
+
+@uvloop_only
+async def test_a_new_trainer_sends_a_full_round_first(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    urls = [url for _, url in workers]
+    async with HttpClient(urls) as client:
+        model = _models.mixed()
+        for seed in (6, 7):
+            _models.randomize(model, seed=seed)
+            engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+            async with engine:
+                stats = await engine.send_weights(weight_version=f"first-{seed}")
+                assert stats.wire_bytes == stats.bytes
+                await assert_worker_has(client, model, f"first-{seed}")
+                nudge(model, seed=seed, fraction=0.01)
+                assert is_delta(await engine.send_weights(weight_version=f"next-{seed}"))
+                await assert_worker_has(client, model, f"next-{seed}")
+
+
+# -- faults -----------------------------------------------------------------------------
+
+CUTS = 8
+
+
+@uvloop_only
+async def test_a_delta_round_cut_at_seeded_offsets_publishes_nothing_and_recovers(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    _, url = workers[1]  # the shadowed worker: a cut may leave its shadow half-written
+    rng = random.Random(SEED)
+    async with ProxyClient(url, timeout=30) as client:
+        model = _models.mixed()
+        for i in range(CUTS):
+            info = delta_info(**SMALL_TIMEOUTS)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                _models.randomize(model, seed=100 + i)
+                await engine.send_weights(weight_version=f"full-{i}")
+                nudge(model, seed=200 + i, fraction=0.01)
+                stats = await engine.send_weights(weight_version=f"good-{i}")
+                assert is_delta(stats)
+                await assert_worker_has(client, model, f"good-{i}")
+                headers = (len(engine.plan.buckets) + 1) * FRAME_SIZE
+                headers += DELTA_HEADER_SIZE * len(engine.plan.buckets)
+                assert client.proxy is not None
+                # The same units change again (their values differ): about as many bytes.
+                client.proxy.arm(rng.randrange(int(0.9 * (stats.wire_bytes + headers))))
+                nudge(model, seed=200 + i, fraction=0.01)
+                with anyio.fail_after(15), pytest.raises(AsyncwtError):
+                    await engine.send_weights(weight_version=f"cut-{i}")
+                (status,) = await client.weights_status()
+                assert status["weight_version"] == f"good-{i}"
+            client.close_proxy()
+            # A new init (the connection broke): its first round is full and bit-exact.
+            engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+            async with engine:
+                stats = await engine.send_weights(weight_version=f"after-{i}")
+                assert stats.wire_bytes == stats.bytes
+                await assert_worker_has(client, model, f"after-{i}")
+            client.close_proxy()
+
+
+CANCELS = 10
+
+
+@uvloop_only
+async def test_a_delta_round_cancelled_at_seeded_points_leaves_the_previous_version(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    rng = random.Random(SEED + 1)
+    urls = [url for _, url in workers]
+    delay = 0.03  # per parameter: a round of ~0.25 s
+    async with HttpClient(urls) as client:
+        model = _models.mixed()
+        _models.randomize(model, seed=9)
+        source = FaultySource(model)
+        engine = await trainer_init(delta_info(), client=client, source=source)
+        async with engine:
+            await engine.send_weights(weight_version="v0")
+            fds, tasks = open_fds(), asyncio.all_tasks()
+            kinds = []
+            for i in range(1, CANCELS + 1):
+                good = model_checksum(model)
+                source.delay = delay
+                nudge(model, seed=400 + i, fraction=0.01)
+                with anyio.fail_after(20), anyio.move_on_after(rng.uniform(0.0, delay * 10)):
+                    await engine.send_weights(weight_version=f"cancelled-{i}")
+                for status in await client.weights_status():
+                    if status["weight_version"] != f"cancelled-{i}":
+                        assert status["weight_version"] == f"v{i - 1}"
+                        assert status["weights_incomplete"] or status["checksum"] == good
+                source.delay = 0.0
+                nudge(model, seed=500 + i, fraction=0.01)
+                started = time.monotonic()
+                stats = await engine.send_weights(weight_version=f"v{i}")
+                assert time.monotonic() - started < 10
+                kinds.append(is_delta(stats))
+                await assert_worker_has(client, model, f"v{i}")
+                wait_until(lambda: not threads_in_asyncwt(), 10, "asyncwt threads to finish")
+                assert asyncio.all_tasks() == tasks
+                assert open_fds() <= fds + 1
+            print(f"rounds after a cancel that went as deltas: {kinds}")
+
+
+def _worker() -> Any:
+    return create_worker_engine(WeightTransferConfig(backend="tcp"), model=_models.mixed())
+
+
+@pytest.mark.asyncio
+async def test_backends_without_delta_rounds_refuse_delta() -> None:
+    worker = _worker()
+    info = ShmTrainerInitInfo(rank=0, delta=True)
+    try:
+        with pytest.raises(ValueError, match=r"^delta should be False for the shm backend"):
+            await trainer_init(
+                info, client=LocalClient([worker]), source=ModuleSource(_models.mixed())
+            )
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_only_the_worker_that_lost_its_base_gets_a_full_round() -> None:
+    workers = [_worker(), _worker()]
+    model = _models.mixed()
+    _models.randomize(model, seed=11)
+    client = LocalClient(workers)
+    engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+    try:
+        await engine.send_weights(weight_version="v0")
+        nudge(model, seed=12, fraction=0.01)
+        workers[1]._delta.base_round = 0  # as after a failed round on that worker alone
+        stats = await engine.send_weights(weight_version="v1")
+        # The mean of a delta to one worker and the payload to the other.
+        assert stats.bytes / 2 < stats.wire_bytes < stats.bytes * 0.6
+        for worker in workers:
+            assert worker.weight_version == "v1"
+            assert model_checksum(worker.model) == model_checksum(model)
+        nudge(model, seed=13, fraction=0.01)
+        assert is_delta(await engine.send_weights(weight_version="v2"))
+    finally:
+        await engine.shutdown()
+        for worker in workers:
+            worker.shutdown()
