@@ -43,6 +43,9 @@ class RoundStats:
     """From `send_weights` entry to `finish_weight_update` returned."""
     stage_busy_s: dict[str, float] = field(default_factory=dict)
     """Seconds each stage (`iterate`, `pack`, `send`) spent working."""
+    dropped: tuple[str, ...] = ()
+    """Workers cut out during this round (`on_worker_failure="drop"`), by name (a
+    worker's URL where the client names one); they no longer take part."""
 
     @property
     def throughput_gbps(self) -> float:
@@ -61,4 +64,5 @@ class RoundStats:
             f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB "
             f"in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
             f"{self.throughput_gbps:.2f} GB/s; busy {stages}"
+            + (f"; dropped {', '.join(self.dropped)}" if self.dropped else "")
         )

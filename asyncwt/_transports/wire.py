@@ -59,6 +59,14 @@ class FrameKind(enum.IntEnum):
     """Trainer → worker: bucket `index` (`nbytes` long) lies in the trainer's memory;
     one little-endian u64 address per slice of the bucket follows, for the worker
     to read from (same host, see `asyncwt._transports.shm.cma`)."""
+    LISTEN = 7
+    """Worker → trainer, once after the handshake (`"tcp"` chain or fleet): the worker's
+    member number in `index`, its relay listener's port in `slot` (0: none) and its
+    host in `nbytes` of UTF-8 that follow (see `asyncwt._transports.tcp.relay`)."""
+    ROUTE = 8
+    """Trainer → worker, each round of a `"tcp"` chain: the worker's place in the chain
+    in `index`; its successor's relay port in `slot` (0: it is the tail) and host in
+    `nbytes` of UTF-8 that follow."""
 
 
 @dataclass(frozen=True, slots=True)
