@@ -12,22 +12,34 @@ worker forwards them (see `asyncwt._transports.tcp.relay`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
-from ..._core.errors import ProtocolError, TransferError
+from ..._core.errors import ProtocolError, TransferError, TransferTimeoutError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import MAX_HOST_CHARS
 from ..base import InitWorkers, Segment
-from ..link import Peer, TrainerLinks, connect_link
+from ..link import Peer, TrainerLinks
 from ..sockio import async_recv_exact
-from ..wire import ABORT_REASON_MAX, FRAME_SIZE, Frame, FrameKind
+from ..wire import (
+    ABORT_REASON_MAX,
+    CHALLENGE_SIZE,
+    FRAME_SIZE,
+    RESULT_SIZE,
+    Frame,
+    FrameKind,
+    check_result,
+    pack_hello,
+    pack_proof,
+    verify_challenge,
+)
 from .settings import TcpTrainerInitInfo
 from .trainer import TcpSender
 
@@ -111,6 +123,16 @@ class FleetSender(TcpSender):
         """The workers known to be gone: their link is broken or their process closed it."""
         return [peer for peer in self.links.peers if peer.broken is not None or _closed(peer.sock)]
 
+    async def find_lost(self, timeout: float) -> list[Peer]:
+        """`lost()`, waiting up to `timeout` seconds for a first one to show: a worker
+        killed mid-round may fail its neighbours' round a moment before its own link
+        to the trainer reads closed."""
+        with anyio.move_on_after(timeout):
+            while not (lost := self.lost()):
+                await anyio.sleep(0.02)
+            return lost
+        return []
+
     def drop(self, peer: Peer) -> Listing | None:
         """Cut `peer` out: close its link, forget it."""
         peer.close("dropped")
@@ -160,19 +182,48 @@ class ChainSender(FleetSender):
 
         await self.links.each(route)
         first = self.listings[chain[0]]
+        address = f"{first.host}:{first.port} (head of the chain)"
+        sock = await self._connect(first)
+        self.head = Peer(sock, address)
+
+    async def _connect(self, head: Listing) -> socket.socket:
+        """Connect to the head's relay listener and pass the handshake (as a worker
+        does with the trainer), on the event loop: cancellable, bounded by
+        `connect_timeout`."""
         s = self.links.settings
-        sock = await anyio.to_thread.run_sync(
-            lambda: connect_link(
-                first.host,
-                first.port,
-                s.token,
-                self.links.plan,
-                s.connect_timeout,
-                peer="the head of the chain",
-            )
-        )
-        sock.setblocking(False)
-        self.head = Peer(sock, f"{first.host}:{first.port} (head of the chain)")
+        loop = asyncio.get_running_loop()
+        digest = bytes.fromhex(self.links.plan.digest)
+        infos = await loop.getaddrinfo(head.host, head.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            with anyio.fail_after(s.connect_timeout):
+                await loop.sock_connect(sock, address)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nonce = secrets.token_bytes(32)
+                await loop.sock_sendall(sock, pack_hello(nonce, digest))
+                challenge = await async_recv_exact(sock, CHALLENGE_SIZE)
+                head_nonce = verify_challenge(s.token, nonce, digest, challenge)
+                await loop.sock_sendall(sock, pack_proof(s.token, nonce, head_nonce, digest))
+                check_result(await async_recv_exact(sock, RESULT_SIZE))
+        except TimeoutError:
+            sock.close()
+            raise TransferTimeoutError(
+                f"round {self.links.round_id}: the head of the chain at {head.host}:"
+                f"{head.port} did not pass the handshake within connect_timeout="
+                f"{s.connect_timeout}s"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise TransferError(
+                f"round {self.links.round_id}: could not connect to the head of the chain at "
+                f"{head.host}:{head.port}: {exc}"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)

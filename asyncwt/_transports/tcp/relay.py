@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..._core.errors import ProtocolError, TransferAbortedError, TransferTimeoutError
+from ..._core.errors import AsyncwtError, ProtocolError, TransferAbortedError, TransferTimeoutError
 from ..._core.plan import TransferPlan
 from ..._core.validate import MAX_HOST_CHARS, check_host
 from ..._worker.engine import ReceivePool
@@ -169,8 +169,8 @@ class RelayListener:
                 if serve_handshake(conn, self.token, self.plan, min(left, timeout)):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     return conn
-            except (OSError, ProtocolError):
-                pass
+            except (OSError, AsyncwtError):
+                pass  # a stranger, or a connection left over from an abandoned round
             conn.close()
 
     def close(self) -> None:

@@ -123,7 +123,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
             try:
                 stats = await super().send_weights(weight_version=weight_version, after=fence)
             except (TransferError, ControlPlaneError) as exc:
-                lost = transport.lost()
+                lost = await transport.find_lost(min(1.0, self.info.ready_timeout))
                 if not lost or len(lost) >= len(transport.links.peers):
                     raise
                 for peer in lost:
