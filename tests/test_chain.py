@@ -12,10 +12,12 @@ import asyncio
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import _models
 import anyio
@@ -33,9 +35,19 @@ from _faults import (
     worker_env,
 )
 
-from asyncwt import AsyncwtError, HttpClient, TcpTrainerInitInfo, model_checksum, trainer_init
+from asyncwt import (
+    AsyncwtError,
+    HttpClient,
+    LocalClient,
+    TcpTrainerInitInfo,
+    WeightTransferConfig,
+    model_checksum,
+    trainer_init,
+)
+from asyncwt._registry import create_worker_engine
 from asyncwt._transports.tcp.chain import ChainSender
 from asyncwt._transports.tcp.trainer import TcpTrainerEngine
+from asyncwt._worker.base import WeightTransferEngine
 
 SEED = 20261202
 KILL_POINTS = 10
@@ -256,3 +268,85 @@ async def test_fail_ends_the_round_with_a_typed_error_and_nobody_publishes(pool:
             assert answer["weights_incomplete"] or answer["checksum"] == published
     for worker in live.values():
         worker.kill()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_star_drop_cuts_out_a_killed_worker_too(pool: Pool) -> None:
+    """`on_worker_failure="drop"` is no chain feature: a star drops the same way."""
+    live = {w.url: w for w in (pool.take() for _ in range(3))}
+    model = _models.mixed()
+    source = KillingSource(model)
+    info = info_for("tcp", on_worker_failure="drop", **SMALL_TIMEOUTS)
+    async with HttpClient(list(live), timeout=20) as client:
+        engine = await trainer_init(info, client=client, source=source)
+        async with engine:
+            await engine.send_weights(weight_version="v0")
+            victim = list(live)[1]
+            source.kill = (PARAMS // 2, 0.005, live[victim].pid)
+            _models.randomize(model, seed=500)
+            with anyio.fail_after(20):
+                stats = await engine.send_weights(weight_version="v1")
+            assert stats.dropped == (victim,) and stats.workers == 2
+            survivors = [url for url in live if url != victim]
+            await assert_holds(survivors, model, "v1")
+    for url in survivors:
+        live[url].kill()
+
+
+# -- in one process: settings, the relay listener's admission, join's preconditions ------
+
+
+def test_topology_and_failure_policy_name_the_bad_value() -> None:
+    with pytest.raises(
+        ValueError, match=r"topology should be one of \['star', 'chain'\], got 'ring'"
+    ):
+        TcpTrainerInitInfo(rank=0, topology="ring")
+    with pytest.raises(ValueError, match="on_worker_failure should be one of .*got 'retry'"):
+        TcpTrainerInitInfo(rank=0, on_worker_failure="retry")
+
+
+def local_engines(count: int) -> list[WeightTransferEngine[Any, Any]]:
+    config = WeightTransferConfig(backend="tcp")
+    return [
+        create_worker_engine(config, model=_models.mixed(), device=torch.device("cpu"))
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_a_stranger_at_a_relay_listener_is_refused_and_the_round_goes_on() -> None:
+    engines = local_engines(2)
+    model = _models.mixed()
+    client = LocalClient(engines)
+    engine = await trainer_init(chain_info(), client=client, source=FaultySource(model))
+    async with engine:
+        listener = engines[1].receiver.listener  # type: ignore[attr-defined]
+        strangers = []
+        for payload in (b"GET / HTTP/1.0\r\n\r\n", bytes(200), b""):
+            sock = socket.create_connection(("127.0.0.1", listener.port))
+            sock.sendall(payload)
+            strangers.append(sock)
+        try:
+            _models.randomize(model, seed=9)
+            with anyio.fail_after(20):
+                await engine.send_weights(weight_version="v1")
+        finally:
+            for sock in strangers:
+                sock.close()
+        for worker in engines:
+            assert model_checksum(worker.model) == model_checksum(model)
+    await client.shutdown()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_add_workers_needs_a_tracked_fleet() -> None:
+    engines = local_engines(1)
+    client = LocalClient(engines)
+    engine = await trainer_init(
+        info_for("tcp"), client=client, source=FaultySource(_models.mixed())
+    )
+    async with engine:
+        assert isinstance(engine, TcpTrainerEngine)
+        with pytest.raises(ValueError, match="add_workers needs a tracked fleet"):
+            await engine.add_workers(LocalClient(local_engines(1)))
+    await client.shutdown()

@@ -59,6 +59,13 @@ def _counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _topologies(text: str) -> tuple[str, ...]:
+    values = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not values or any(v not in ("star", "chain") for v in values):
+        raise argparse.ArgumentTypeError(f"should be star, chain or star,chain; got {text!r}")
+    return values
+
+
 PRESETS = {
     "default": {"model_mib": 32.0, "workers": (1, 2, 4, 8), "ranks": (1, 2, 4),
                 "rates_bps": (250 * 10**6, 10**9, 10 * 10**9, None)},
@@ -90,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-mib", type=float, metavar="MIB", help="model size (default 32)")
     parser.add_argument(
         "--workers", type=_counts, metavar="A,B,...", help="worker counts N (default 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--topology",
+        type=_topologies,
+        metavar="T,...",
+        help="tcp topologies of the one-trainer rows: star, chain or both (default star)",
     )
     parser.add_argument(
         "--ranks",
@@ -183,6 +196,7 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
     overrides = {
         "model_mib": args.model_mib,
         "workers": args.workers,
+        "topologies": args.topology,
         "ranks": args.ranks,
         "rates_bps": args.rates,
         "cpu_bound_cores": args.cpu_bound_cores,
