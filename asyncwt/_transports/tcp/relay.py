@@ -58,6 +58,9 @@ from .worker import receive_buckets
 __all__ = ["ChainReceiver", "Route", "Tee", "announce", "serve_handshake"]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+HANDSHAKE_S = 5.0
+"""Seconds a connection to a relay listener has to finish its handshake once its
+first bytes came: a real peer answers within a round trip."""
 
 
 def announce(link: WorkerLink, member: int, host: str, port: int) -> None:
@@ -145,33 +148,43 @@ class RelayListener:
     def accept(self, control: WorkerLink, round_id: int, timeout: float) -> socket.socket:
         """The predecessor's authenticated connection for `round_id`.
 
-        Waits at most `timeout` seconds; a connection that fails the handshake is
-        closed and the wait goes on. An ABORT of this round on the control link ends
-        the wait (`TransferAbortedError`).
+        Waits at most `timeout` seconds. Connections are taken as they come and each
+        is served only once its first bytes are there (a real peer sends its HELLO at
+        once), each handshake bounded by `HANDSHAKE_S`: a connection that sends
+        nothing holds nobody up, and one that fails the handshake is closed. An
+        ABORT of this round on the control link ends the wait
+        (`TransferAbortedError`).
         """
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeoutError(
-                    f"round {round_id}: no predecessor connected to this worker's relay "
-                    f"listener within connect_timeout={timeout}s"
-                )
-            readable, _, _ = select.select([self.sock, control.sock], [], [], left)
-            if control.sock in readable:
-                with control.guard(round_id):  # only an ABORT (raised) may come now
-                    read_route(control, round_id)
-                    raise ProtocolError(f"round {round_id}: a second ROUTE for the round")
-            if self.sock not in readable:
-                continue
-            conn, _ = self.sock.accept()
-            try:
-                if serve_handshake(conn, self.token, self.plan, min(left, timeout)):
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    return conn
-            except (OSError, AsyncwtError):
-                pass  # a stranger, or a connection left over from an abandoned round
-            conn.close()
+        pending: list[socket.socket] = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(
+                        f"round {round_id}: no predecessor connected to this worker's relay "
+                        f"listener within connect_timeout={timeout}s"
+                    )
+                watched = [self.sock, control.sock, *pending]
+                readable, _, _ = select.select(watched, [], [], left)
+                if control.sock in readable:
+                    with control.guard(round_id):  # only an ABORT (raised) may come now
+                        read_route(control, round_id)
+                        raise ProtocolError(f"round {round_id}: a second ROUTE for the round")
+                if self.sock in readable:
+                    pending.append(self.sock.accept()[0])
+                for conn in [c for c in pending if c in readable]:
+                    pending.remove(conn)
+                    try:
+                        if serve_handshake(conn, self.token, self.plan, min(left, HANDSHAKE_S)):
+                            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                            return conn
+                    except (OSError, AsyncwtError):
+                        pass  # a stranger, or a connection left over from an abandoned round
+                    conn.close()
+        finally:
+            for conn in pending:
+                conn.close()
 
     def close(self) -> None:
         self.sock.close()
