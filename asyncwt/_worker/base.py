@@ -71,7 +71,9 @@ class WeightTransferConfig:
     relay_host: str | None = None
     """Where a `"tcp"` chain worker listens for its successor: the address its server
     is bound to (`asyncwt worker --host` sets it), so a chain across hosts needs no
-    other setting. None: the address this worker reaches the trainer from."""
+    other setting. None: `$ASYNCWT_RELAY_HOST` if set (a vLLM server's workers: set
+    it to the server's address), else the address this worker reaches the trainer
+    from."""
 
     def __post_init__(self) -> None:
         check_bool("staged", self.staged)

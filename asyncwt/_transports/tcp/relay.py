@@ -25,6 +25,7 @@ control link needs a new init, as in the star.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import select
 import socket
@@ -239,10 +240,19 @@ class _RelayLink(WorkerLink):
         return None
 
 
+RELAY_HOST_ENV = "ASYNCWT_RELAY_HOST"
+"""Where a chain worker listens when its config names no `relay_host` (a vLLM
+server's workers, say: set it to the address the server is bound to)."""
+
+
 def relay_address(control: socket.socket, configured: str | None) -> tuple[str, str]:
-    """`(bind, advertise)`: the configured relay host (a wildcard binds everywhere
-    and advertises the address the trainer is reached from), else that address."""
+    """`(bind, advertise)`: the configured relay host, else `$ASYNCWT_RELAY_HOST`
+    (a wildcard binds everywhere and advertises the address the trainer is reached
+    from), else the address the trainer is reached from."""
     reached_from = str(control.getsockname()[0])
+    if configured is None and os.environ.get(RELAY_HOST_ENV):
+        configured = os.environ[RELAY_HOST_ENV]
+        check_host(RELAY_HOST_ENV, configured)
     if configured is None:
         return reached_from, reached_from
     if configured in _WILDCARDS:

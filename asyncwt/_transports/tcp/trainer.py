@@ -132,6 +132,11 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                     if listing is not None:
                         name = members.label(listing.member)
                         await members.drop(listing.member)
+                        # The member's other workers (ranks behind one client) go too:
+                        # the control plane reaches them only through it.
+                        for other, seen in list(transport.listings.items()):
+                            if seen.member == listing.member:
+                                transport.drop(other)
                     dropped.append(name)
                     logger.warning(
                         "asyncwt: dropped worker %s after %s: %s; the round runs again on "
@@ -141,6 +146,8 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                         exc,
                         len(transport.links.peers),
                     )
+                if not transport.links.peers:
+                    raise  # nobody left to complete the round
                 continue
             return dataclasses.replace(stats, dropped=tuple(dropped))
 
