@@ -46,6 +46,7 @@ from asyncwt import (
 )
 from asyncwt._registry import create_worker_engine
 from asyncwt._transports.tcp.chain import ChainSender
+from asyncwt._transports.tcp.members import Members
 from asyncwt._transports.tcp.trainer import TcpTrainerEngine
 from asyncwt._worker.base import WeightTransferEngine
 
@@ -350,3 +351,42 @@ async def test_add_workers_needs_a_tracked_fleet() -> None:
         with pytest.raises(ValueError, match="add_workers needs a tracked fleet"):
             await engine.add_workers(LocalClient(local_engines(1)))
     await client.shutdown()
+
+
+def _negate(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return -tensor
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_a_worker_forwards_what_it_received_not_what_its_transform_made() -> None:
+    """A chain of a worker that negates every tensor it loads and one that does not:
+    the plain one holds the trainer's weights bit-exact wherever it stands."""
+    model = _models.mixed()
+    for negating_first in (True, False):
+        plain = local_engines(1)[0]
+        negating = create_worker_engine(
+            WeightTransferConfig(backend="tcp", transform=_negate),
+            model=_models.mixed(),
+            device=torch.device("cpu"),
+        )
+        order = [negating, plain] if negating_first else [plain, negating]
+        client = LocalClient(order)
+        engine = await trainer_init(chain_info(), client=client, source=FaultySource(model))
+        async with engine:
+            assert isinstance(engine, TcpTrainerEngine)
+            members, sender = engine.members, engine.transport
+            assert isinstance(members, Members) and isinstance(sender, ChainSender)
+
+            def engine_of(peer: Any, members: Members = members, sender: Any = sender) -> Any:
+                return members.members[sender.listings[peer].member].client.engines[0]
+
+            # Put the chain in the order under test (admission order is a race).
+            sender.links.peers.sort(key=lambda peer: order.index(engine_of(peer)))
+            assert [engine_of(peer) for peer in sender.links.peers] == order
+            _models.randomize(model, seed=11)
+            await engine.send_weights(weight_version="v1")
+            assert model_checksum(plain.model) == model_checksum(model)
+            negated = _models.mixed()
+            negated.load_state_dict({k: -v for k, v in model.state_dict().items()})
+            assert model_checksum(negating.model) == model_checksum(negated)
+        await client.shutdown()
