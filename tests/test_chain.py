@@ -59,9 +59,10 @@ class KillingSource(FaultySource):
     """Kills a process while the trainer iterates: before parameter `index`, after
     sleeping `pause` seconds (the round cannot end before the kill lands)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, sig: int = signal.SIGKILL) -> None:
         super().__init__(model)
         self.kill: tuple[int, float, int] | None = None
+        self.sig = sig
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for index, pair in enumerate(super().iter_full()):
@@ -69,7 +70,7 @@ class KillingSource(FaultySource):
                 _, pause, pid = self.kill
                 self.kill = None
                 time.sleep(pause)
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, self.sig)
             yield pair
 
 
@@ -124,7 +125,10 @@ def pool() -> Iterator[Pool]:
 
 
 def chain_info(**kwargs: object) -> TcpTrainerInitInfo:
-    info = info_for("tcp", topology="chain", **SMALL_TIMEOUTS, **kwargs)
+    # connect_timeout below recv_timeout: a round stuck connecting to a stalled peer
+    # ends before the next round gives up waiting for it.
+    kwargs = {**SMALL_TIMEOUTS, "connect_timeout": 1.5, **kwargs}
+    info = info_for("tcp", topology="chain", **kwargs)
     assert isinstance(info, TcpTrainerInitInfo)
     return info
 
@@ -319,7 +323,9 @@ async def test_a_stranger_at_a_relay_listener_is_refused_and_the_round_goes_on()
     engines = local_engines(2)
     model = _models.mixed()
     client = LocalClient(engines)
-    engine = await trainer_init(chain_info(), client=client, source=FaultySource(model))
+    # A stranger that sends part of a HELLO holds the listener up to HANDSHAKE_S.
+    info = chain_info(connect_timeout=10.0, recv_timeout=10.0)
+    engine = await trainer_init(info, client=client, source=FaultySource(model))
     async with engine:
         listener = engines[1].receiver.listener  # type: ignore[attr-defined]
         strangers = []
@@ -390,3 +396,40 @@ async def test_a_worker_forwards_what_it_received_not_what_its_transform_made() 
             negated.load_state_dict({k: -v for k, v in model.state_dict().items()})
             assert model_checksum(negating.model) == model_checksum(negated)
         await client.shutdown()
+
+
+STALL_POINTS = 2
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_drop_cuts_out_a_middle_worker_stopped_mid_round(pool: Pool) -> None:
+    """A middle worker stopped (SIGSTOP) mid-round: the round fails within the
+    timeouts, the stalled worker shows itself by not answering the next start within
+    rpc_timeout, and the round completes on the survivors, naming it."""
+    live = {w.url: w for w in (pool.take() for _ in range(2))}
+    rng = random.Random(SEED + 1)
+    model = _models.mixed()
+    source = KillingSource(model, sig=signal.SIGSTOP)
+    for case in range(STALL_POINTS):
+        newcomer = pool.take()
+        live[newcomer.url] = newcomer
+        async with HttpClient(list(live), timeout=20) as client:
+            info = chain_info(on_worker_failure="drop")
+            engine = await trainer_init(info, client=client, source=source)
+            assert isinstance(engine, TcpTrainerEngine)
+            async with engine:
+                await engine.send_weights(weight_version="v0")
+                chain = chain_of(engine)
+                victim = chain[1]
+                source.kill = (rng.randrange(PARAMS), rng.uniform(0, 0.02), live[victim].pid)
+                _models.randomize(model, seed=600 + case)
+                with anyio.fail_after(30):
+                    stats = await engine.send_weights(weight_version=f"s{case}")
+                assert stats.dropped == (victim,)
+                survivors = [url for url in chain if url != victim]
+                await assert_holds(survivors, model, f"s{case}")
+        stopped = live.pop(victim)
+        stopped.kill()
+        wait_until(stopped.gone, 10, "the stopped worker to go")
+    for worker in live.values():
+        worker.kill()

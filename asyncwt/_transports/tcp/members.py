@@ -14,10 +14,14 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from ..._control.protocol import AnyWeightSyncClient, call_client, round_keywords
 from ..._core.concurrency import fan_out
 
 __all__ = ["Member", "Members"]
+
+_SHORT_CALLS = ("start_weight_update", "finish_weight_update")
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Members:
     def __init__(self) -> None:
         self.members: dict[int, Member] = {}
         self._next = 0
+        self.unanswered: set[int] = set()
+        """Members whose call was still running when the last call was cancelled (the
+        trainer gave up on it after `rpc_timeout`): stalled, if the call was short."""
 
     def add(self, client: AnyWeightSyncClient) -> list[int]:
         """Split `client` into members where it can be split; their numbers."""
@@ -79,12 +86,21 @@ class Members:
         self, method: str, *args: Any, among: list[int] | None = None, **ids: Any
     ) -> None:
         numbers = list(self.members) if among is None else among
-        calls = []
-        for number in numbers:
+        running = set(numbers)
+
+        async def one(number: int) -> None:
             client = self.members[number].client
             kwargs = round_keywords(client, method, **ids) if ids else {}
-            calls.append(functools.partial(call_client, client, method, *args, **kwargs))
-        await fan_out(calls)
+            await call_client(client, method, *args, **kwargs)
+            running.discard(number)
+
+        self.unanswered = set()
+        try:
+            await fan_out([functools.partial(one, number) for number in numbers])
+        except anyio.get_cancelled_exc_class():
+            if method in _SHORT_CALLS:  # an update lasts a round: not a sign of a stall
+                self.unanswered = running
+            raise
 
     async def init_members(self, init_info: dict[str, Any], numbers: list[int]) -> None:
         """Init members `numbers`, each told its number (`member`)."""

@@ -34,7 +34,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..._core.errors import AsyncwtError, ProtocolError, TransferAbortedError, TransferTimeoutError
+from ..._core.errors import (
+    AsyncwtError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
 from ..._core.plan import TransferPlan
 from ..._core.validate import MAX_HOST_CHARS, check_host
 from ..._worker.engine import ReceivePool
@@ -59,7 +65,7 @@ from .worker import receive_buckets
 __all__ = ["ChainReceiver", "Route", "Tee", "announce", "serve_handshake"]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 2.0
 """Seconds a connection to a relay listener has to finish its handshake once its
 first bytes came: a real peer answers within a round trip."""
 
@@ -93,6 +99,13 @@ def read_route(link: WorkerLink, round_id: int) -> Route:
                 f"round {round_id}: the trainer aborted the round before it began: {reason}",
                 buckets_received=0,
             )
+        if (
+            frame.kind == FrameKind.ROUTE
+            and frame.round_id < round_id
+            and frame.nbytes <= MAX_HOST_CHARS
+        ):
+            recv_exact(link.sock, frame.nbytes)  # a round this worker gave up waiting for
+            continue
         if frame.kind != FrameKind.ROUTE or frame.round_id != round_id:
             raise ProtocolError(
                 f"round {round_id}: expected the round's ROUTE, got {frame.kind.name} for "
@@ -276,6 +289,8 @@ class ChainReceiver(ReceiverTransport):
         self.relay_host = relay_host
         self.control: WorkerLink | None = None
         self.listener: RelayListener | None = None
+        self._relays: list[socket.socket] = []
+        """The relay connections of the round being received."""
 
     def connect(self) -> None:
         info = self.info
@@ -300,27 +315,62 @@ class ChainReceiver(ReceiverTransport):
         control.sock.settimeout(info.recv_timeout)
         with control.guard(round_id):  # a broken control link needs a new init
             control.send(Frame(FrameKind.READY, round_id, 0, control.digest, 0, 0))
-            route = read_route(control, round_id)
+        route = self._route(control, round_id)
         downstream: socket.socket | None = None
         upstream: socket.socket | None = None
         try:
             if route.successor is not None:
                 host, port = route.successor
-                downstream = connect_link(
-                    host,
-                    port,
-                    info.token,
-                    self.plan,
-                    info.connect_timeout,
-                    peer=f"the next worker in the chain (place {route.position + 1})",
+                downstream = self._track(
+                    connect_link(
+                        host,
+                        port,
+                        info.token,
+                        self.plan,
+                        info.connect_timeout,
+                        peer=f"the next worker in the chain (place {route.position + 1})",
+                    )
                 )
-            upstream = listener.accept(control, round_id, info.connect_timeout)
+            upstream = self._track(listener.accept(control, round_id, info.connect_timeout))
             stream = _RelayLink(Tee(upstream, downstream), self.plan, info.recv_timeout)  # type: ignore[arg-type]
             yield from receive_buckets(stream, self.plan, self.pool, round_id, target)
         finally:
             for sock in (upstream, downstream):
                 if sock is not None:
                     sock.close()
+            self._relays = []
+
+    def _route(self, control: WorkerLink, round_id: int) -> Route:
+        """This round's ROUTE. Waiting past `recv_timeout` fails the round but keeps the
+        control link (a late ROUTE is skipped next round); anything else that breaks
+        the link closes it (a new init is needed)."""
+        try:
+            return read_route(control, round_id)
+        except TimeoutError:
+            raise TransferTimeoutError(
+                f"round {round_id}: no ROUTE from the trainer within recv_timeout="
+                f"{control.recv_timeout}s; the round is off, the link to the trainer stays"
+            ) from None
+        except TransferAbortedError:
+            raise
+        except (OSError, AsyncwtError) as exc:
+            control.close()
+            raise TransferError(
+                f"round {round_id}: the link to the trainer failed while waiting for the "
+                f"round's ROUTE: {exc}; a new trainer_init (init_weight_transfer_engine) "
+                f"reconnects"
+            ) from exc
+
+    def _track(self, sock: socket.socket) -> socket.socket:
+        self._relays.append(sock)
+        return sock
+
+    def abandon(self) -> None:
+        """Shut the older round's relay connections: a forward blocked on a stalled
+        successor, or a read on a stalled predecessor, fails at once."""
+        for sock in list(self._relays):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         if self.listener is not None:

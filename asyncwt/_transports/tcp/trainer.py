@@ -111,19 +111,37 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         self, *, weight_version: str | None = None, after: LaneEvent | None = None
     ) -> RoundStats:
         """See `PipelinedTrainerEngine.send_weights`. With `on_worker_failure="drop"`,
-        a round that fails with workers gone (their connection closed or broken)
-        drops them and runs again on the survivors; the stats name the dropped."""
+        a round that fails with workers gone (their connection closed or broken, or,
+        on one more try, their start unanswered within `rpc_timeout`: stalled) drops
+        them and runs again on the survivors; the stats name the dropped. Each try is
+        bounded by the usual timeouts; with nobody gone the round's error is raised."""
         fleet = self._fleet()
         if fleet is None or self.info.on_worker_failure != "drop":
             return await super().send_weights(weight_version=weight_version, after=after)
         transport, members = fleet
         fence = after if after is not None else self.fence()
         dropped: list[str] = []
+        probed = False
         while True:
             try:
                 stats = await super().send_weights(weight_version=weight_version, after=fence)
             except (TransferError, ControlPlaneError) as exc:
                 lost = await transport.find_lost(min(1.0, self.info.ready_timeout))
+                if not lost:  # stalled: its start (or finish) went unanswered
+                    stalled = members.unanswered
+                    lost = [p for p, seen in transport.listings.items() if seen.member in stalled]
+                if not lost and not probed:
+                    # Nobody is known gone: a stalled worker shows itself by not answering
+                    # the next round's start within rpc_timeout. One probe, then it is
+                    # the round's error.
+                    probed = True
+                    logger.warning(
+                        "asyncwt: round failed with no worker known gone (%s: %s); trying "
+                        "once more to find a stalled one",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    continue
                 if not lost or len(lost) >= len(transport.links.peers):
                     raise
                 for peer in lost:
