@@ -96,13 +96,16 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
     assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
     report = json.loads((tmp_path / "cluster.json").read_text())
     rows = [
-        (r["kind"], r["workers"], r["ranks"], r["rate"], r.get("senders")) for r in report["rows"]
+        (r["kind"], r["workers"], r["ranks"], r["rate"], r.get("senders"), r.get("topology"))
+        for r in report["rows"]
     ]
     assert rows == [
-        ("workers", 1, 1, "1 Gbit/s", None),
-        ("workers", 2, 1, "1 Gbit/s", None),
-        ("ranks", 2, 2, "1 Gbit/s", "rank0"),
-        ("ranks", 2, 2, "1 Gbit/s", "owners"),
+        ("workers", 1, 1, "1 Gbit/s", None, "star"),
+        ("workers", 2, 1, "1 Gbit/s", None, "star"),
+        ("workers", 1, 1, "1 Gbit/s", None, "chain"),
+        ("workers", 2, 1, "1 Gbit/s", None, "chain"),
+        ("ranks", 2, 2, "1 Gbit/s", "rank0", "star"),
+        ("ranks", 2, 2, "1 Gbit/s", "owners", "star"),
     ]
     model_bytes = report["meta"]["model"]["bytes"]
     for row in report["rows"]:
@@ -110,8 +113,12 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
         assert len(row["rounds_s"]) == 3 and len(row["warmup_s"]) == 1
         assert row["bytes_per_round"] == model_bytes
         assert row["ideal_s"] == pytest.approx(model_bytes * 8 / 1e9)
-        copies = 1 if row.get("senders") == "owners" else row["workers"]
+        one_copy = row.get("senders") == "owners" or row["topology"] == "chain"
+        copies = 1 if one_copy else row["workers"]
         assert row["star_bound_s"] == pytest.approx(row["ideal_s"] * copies)
+        if row["kind"] == "workers":  # counted on the trainer's link, frame headers included
+            sent = row["trainer_link_bytes"]
+            assert copies * model_bytes <= sent < copies * model_bytes * 1.1, row
         workers = {f"worker {i}" for i in range(row["workers"])}
         ranks = {f"trainer rank {i}" for i in range(row["ranks"])}
         assert set(row["cores_busy"]) == workers | ranks

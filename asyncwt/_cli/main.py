@@ -114,6 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "weights intact (costs one extra copy of the weights)"
         ),
     )
+    worker.add_argument(
+        "--relay-host",
+        default=None,
+        help=(
+            "address a tcp chain worker listens on for its successor (default: --host, "
+            "or the address it reaches the trainer from when --host is a wildcard)"
+        ),
+    )
     defaults = ServerLimits()
     worker.add_argument(
         "--header-timeout",
@@ -202,6 +210,7 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             transform=transform,  # type: ignore[arg-type]  # checked callable; signature is the user's
             transform_elementwise=args.transform_elementwise,
             staged=args.staged,
+            relay_host=args.relay_host or args.host,
         )
         limits = ServerLimits(
             header_timeout=args.header_timeout,

@@ -67,8 +67,16 @@ class HttpClient:
             raise ValueError("api_key should be a non-empty printable str or None")
         self.base_urls: tuple[str, ...] = tuple(url.rstrip("/") for url in urls)
         self.timeout = timeout
+        self._api_key = api_key
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._session: aiohttp.ClientSession | None = None
+
+    def split(self) -> list[HttpClient]:
+        """One client per base URL, with this one's settings: to address the workers
+        one by one (a trainer that drops or adds workers). Close each when done."""
+        return [
+            HttpClient(url, timeout=self.timeout, api_key=self._api_key) for url in self.base_urls
+        ]
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

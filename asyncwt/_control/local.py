@@ -40,6 +40,16 @@ class LocalClient:
         self.engines: tuple[Engine, ...] = tuple(engines)
         self._drivers = tuple(RoundDriver(engine) for engine in self.engines)
 
+    def split(self) -> list[LocalClient]:
+        """One client per engine, each driving it under this client's own round state
+        machine: to address the engines one by one."""
+        parts = []
+        for engine, driver in zip(self.engines, self._drivers):
+            part = LocalClient([engine])
+            part._drivers = (driver,)
+            parts.append(part)
+        return parts
+
     async def _on_each(self, fn: Callable[[RoundDriver], Coroutine[Any, Any, None]]) -> None:
         await fan_out([functools.partial(fn, driver) for driver in self._drivers])
 

@@ -50,6 +50,9 @@ class RoundStats:
     total_bytes: int | None = None
     """With `senders="owners"`: payload bytes each worker received from every rank
     together (the round's total; `bytes` is this rank's share). `None` otherwise."""
+    dropped: tuple[str, ...] = ()
+    """Workers cut out during this round (`on_worker_failure="drop"`), by name (a
+    worker's URL where the client names one); they no longer take part."""
 
     @property
     def throughput_gbps(self) -> float:
@@ -69,4 +72,5 @@ class RoundStats:
             f"({self.wire_bytes / 2**20:.1f} MiB on the wire) "
             f"in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
             f"{self.throughput_gbps:.2f} GB/s; busy {stages}"
+            + (f"; dropped {', '.join(self.dropped)}" if self.dropped else "")
         )

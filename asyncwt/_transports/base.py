@@ -169,6 +169,10 @@ class ReceiverTransport(ABC):
         """Whether another round can be received without a new init."""
         return True
 
+    def abandon(self) -> None:
+        """A new round starts: wake a receive still blocked on an older one (it then
+        fails) without breaking what the next round needs. A no-op by default."""
+
     @abstractmethod
     def close(self) -> None:
         """Disconnect and release every resource; wakes a blocked receive. Idempotent."""

@@ -473,9 +473,16 @@ class LinkedSender(SenderTransport):
 
 
 def connect_link(
-    host: str, port: int, token: str, plan: TransferPlan, timeout: float
+    host: str,
+    port: int,
+    token: str,
+    plan: TransferPlan,
+    timeout: float,
+    *,
+    peer: str = "the trainer",
 ) -> socket.socket:
-    """Worker side: connect to the trainer and pass the handshake; a blocking socket.
+    """Worker side: connect to the trainer (or to `peer`, a relay's listener) and pass
+    the handshake; a blocking socket.
 
     The connection and each handshake read or write are bounded by `timeout`.
     Raises `AuthenticationError` when the trainer does not know the token (or refuses
@@ -487,13 +494,13 @@ def connect_link(
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError as exc:
         raise TransferTimeoutError(
-            f"could not connect to the trainer at {host}:{port} within connect_timeout="
-            f"{timeout}s; check that the trainer's listener is reachable from this worker"
+            f"could not connect to {peer} at {host}:{port} within connect_timeout="
+            f"{timeout}s; check that its listener is reachable from this host"
         ) from exc
     except OSError as exc:
         raise TransferError(
-            f"could not connect to the trainer at {host}:{port}: {exc}; check that the "
-            f"trainer's trainer_init is running and its host is reachable"
+            f"could not connect to {peer} at {host}:{port}: {exc}; check that it is "
+            f"running (the trainer's trainer_init, a relay's round) and its host is reachable"
         ) from exc
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -505,11 +512,11 @@ def connect_link(
     except TimeoutError as exc:
         sock.close()
         raise TransferTimeoutError(
-            f"handshake with the trainer at {host}:{port} timed out after {timeout}s"
+            f"handshake with {peer} at {host}:{port} timed out after {timeout}s"
         ) from exc
     except OSError as exc:
         sock.close()
-        raise TransferError(f"handshake with the trainer at {host}:{port} failed: {exc}") from exc
+        raise TransferError(f"handshake with {peer} at {host}:{port} failed: {exc}") from exc
     except BaseException:
         sock.close()
         raise

@@ -67,6 +67,14 @@ class FrameKind(enum.IntEnum):
     `nbytes` of a delta header and its body follow (`asyncwt._delta.codec`). In a
     round with deltas, READY's `index` names the round whose bytes the worker holds
     (its low 32 bits; 0: none)."""
+    LISTEN = 8
+    """Worker → trainer, once after the handshake (`"tcp"` chain or fleet): the worker's
+    member number in `index`, its relay listener's port in `slot` (0: none) and its
+    host in `nbytes` of UTF-8 that follow (see `asyncwt._transports.tcp.relay`)."""
+    ROUTE = 9
+    """Trainer → worker, each round of a `"tcp"` chain: the worker's place in the chain
+    in `index`; its successor's relay port in `slot` (0: it is the tail) and host in
+    `nbytes` of UTF-8 that follow."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from .._control.protocol import WeightTransferUpdatePayload
-from .._core.validate import check_bool, check_int_in, check_str
+from .._core.validate import check_bool, check_host, check_int_in, check_str
 
 __all__ = [
     "WeightTransferConfig",
@@ -68,8 +68,17 @@ class WeightTransferConfig:
     A worker-side option because the memory is the worker's: the trainer neither
     knows nor needs to know whether a worker stages."""
 
+    relay_host: str | None = None
+    """Where a `"tcp"` chain worker listens for its successor: the address its server
+    is bound to (`asyncwt worker --host` sets it), so a chain across hosts needs no
+    other setting. None: `$ASYNCWT_RELAY_HOST` if set (a vLLM server's workers: set
+    it to the server's address), else the address this worker reaches the trainer
+    from."""
+
     def __post_init__(self) -> None:
         check_bool("staged", self.staged)
+        if self.relay_host is not None:
+            check_host("relay_host", self.relay_host)
         check_str("backend", self.backend, min_chars=1)
         check_int_in("apply_threads", self.apply_threads, 1)
         if self.transform is not None and not callable(self.transform):

@@ -260,6 +260,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         Raises `ApplyError` when a previous round's background apply is still stuck
         after `drain_timeout`.
         """
+        if self.receiver is not None:
+            self.receiver.abandon()  # a receive still blocked on an older round ends now
         self._drain_quietly("before a new round")
         self._round_error = None
         self._received_round = 0

@@ -59,14 +59,21 @@ def _counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _topologies(text: str) -> tuple[str, ...]:
+    values = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not values or any(v not in ("star", "chain") for v in values):
+        raise argparse.ArgumentTypeError(f"should be star, chain or star,chain; got {text!r}")
+    return values
+
+
 PRESETS = {
     "default": {"model_mib": 32.0, "workers": (1, 2, 4, 8), "ranks": (1, 2, 4),
                 "rates_bps": (250 * 10**6, 10**9, 10 * 10**9, None)},
     "quick": {"model_mib": 16.0, "workers": (1, 2), "ranks": (2,), "rates_bps": (10**9,),
-              "senders": ("rank0", "owners")},
+              "senders": ("rank0", "owners"), "topologies": ("star", "chain")},
 }  # fmt: skip
-"""`quick`: two workers (and two FSDP2 ranks, gathered and owner senders), a 16 MiB
-model, 1 Gbit/s: CI-sized."""
+"""`quick`: one and two workers (star and chain) and two FSDP2 ranks (gathered and
+owner senders), a 16 MiB model, 1 Gbit/s: CI-sized."""
 
 
 def _senders(text: str) -> tuple[str, ...]:
@@ -97,12 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
         dest="preset",
         const="quick",
         default="default",
-        help="N = 1, 2 workers and M = 2 ranks (both senders), 16 MiB model, 1 Gbit/s only: "
+        help="N = 1, 2 workers (star and chain) and M = 2 ranks (both senders), 16 MiB model, "
+        "1 Gbit/s only: "
         "CI-sized",
     )
     parser.add_argument("--model-mib", type=float, metavar="MIB", help="model size (default 32)")
     parser.add_argument(
         "--workers", type=_counts, metavar="A,B,...", help="worker counts N (default 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--topology",
+        type=_topologies,
+        metavar="T,...",
+        help="tcp topologies of the one-trainer rows: star, chain or both (default star)",
     )
     parser.add_argument(
         "--ranks",
@@ -203,6 +217,7 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
     overrides = {
         "model_mib": args.model_mib,
         "workers": args.workers,
+        "topologies": args.topology,
         "ranks": args.ranks,
         "senders": args.senders,
         "rates_bps": args.rates,

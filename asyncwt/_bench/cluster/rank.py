@@ -153,12 +153,9 @@ async def _run_job(
     async with HttpClient(job["urls"], timeout=900.0, api_key=api_key) as client:
         try:
             info = TcpTrainerInitInfo(
-                rank=rank,
-                host=trainer_host,
-                bucket_bytes=bucket_bytes,
-                num_buffers=num_buffers,
-                senders=job.get("senders", "rank0"),
-            )
+                rank=rank, host=trainer_host, bucket_bytes=bucket_bytes, num_buffers=num_buffers,
+                senders=job.get("senders", "rank0"), topology=job.get("topology", "star"),
+            )  # fmt: skip
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             try:
                 for index in range(warmup + rounds):
@@ -168,8 +165,10 @@ async def _run_job(
                     version = f"{label}-{index}"
                     mark = meter.mark()
                     machine_mark = machine_cpu_s()
+                    sent_before = _link_tx_bytes()
                     started = time.monotonic()
                     stats = await engine.send_weights(weight_version=version)
+                    sent_after = _link_tx_bytes()
                     wall = stats.wall_s if stats.wall_s > 0 else time.monotonic() - started
                     cores = meter.cores_busy(mark, wall)
                     machine_now = machine_cpu_s()
@@ -197,7 +196,9 @@ async def _run_job(
                     records.append(
                         {"wall_s": wall, "bytes": stats.total_bytes or stats.bytes,
                          "rank0_bytes": stats.bytes, "buckets": stats.buckets,
-                         "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup}
+                         "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup,
+                         "link_bytes": None if sent_before is None or sent_after is None
+                         else sent_after - sent_before}
                     )  # fmt: skip
             finally:
                 await engine.shutdown()
@@ -216,6 +217,17 @@ async def _run_job(
         ).get("machine"),
         "bit_exact": bool(timed) and all(r["bit_exact"] for r in timed),
     }, flipped
+
+
+def _link_tx_bytes() -> int | None:
+    """Bytes this host's link has sent (its interface's counter, headers included),
+    or None where it cannot be read: what the trainer's link carried in a round."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as counter:
+            return int(counter.read())
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def main() -> int:

@@ -47,7 +47,9 @@ def format_table(report: dict[str, Any]) -> str:
         (
             "ideal = model bytes / one link's rate (each worker must receive the model through "
             "its own link); star = N x ideal (today: the trainer's link carries a copy per "
-            "worker). Headers of a 1500-byte MTU alone cost ~4.6% of a capped link."
+            "worker); a chain's bound is the ideal (the trainer sends one copy, each worker "
+            "forwards it). trainer link MiB = bytes the trainer host's interface sent per round "
+            "(headers included). Headers of a 1500-byte MTU alone cost ~4.6% of a capped link."
         ),
         (
             "cores = CPU cores the run's processes kept busy, summed (busiest process: r = "
@@ -56,13 +58,13 @@ def format_table(report: dict[str, Any]) -> str:
             f"{settings['cpu_bound_cores']:.2f}, one process >= "
             f"{settings['cpu_bound_process']:.2f}, the machine >= "
             f"{settings['cpu_bound_cores']:.2f}, or no cap at all; link: within 1.2x of the "
-            "star bound; other: neither (latency, protocol, the FSDP gathers)."
+            "star bound (a chain's: of the ideal); other: neither (latency, protocol, the FSDP gathers)."
         ),
         "",
     ]
     header = (
         "| rate | {k} | s/round | ideal s | x ideal | star s | x star | Gbit/s per worker "
-        "| cores: run (busiest) / machine | bound | bit-exact |"
+        "| cores: run (busiest) / machine | bound | bit-exact | trainer link MiB |"
     )
     for kind, title, key in (
         ("workers", "One trainer to N workers", "N"),
@@ -78,18 +80,22 @@ def format_table(report: dict[str, Any]) -> str:
         rows = [r for r in report["rows"] if r["kind"] == kind]
         if not rows:
             continue
-        lines += [f"### {title}", "", header.format(k=key), "|" + " --- |" * 11]
+        lines += [f"### {title}", "", header.format(k=key), "|" + " --- |" * 12]
         for r in rows:
             count = r["workers"] if kind == "workers" else r["ranks"]
             note = " (= N 1)" if r.get("same_as") else ""
             if r.get("senders") == "owners":
                 note += " owners"
+            if r.get("topology", "star") != "star":
+                note += f" {r['topology']}"
+            link = r.get("trainer_link_bytes")
+            link_mib = "-" if not link else f"{link / MiB:.1f}"
             bound = {"CPU": "**CPU**", "other": "*other*"}.get(r["bound"], r["bound"])
             lines.append(
                 f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {_s(r['ideal_s'])} | "
                 f"{_x(r['ratio_to_ideal'])} | {_s(r['star_bound_s'])} | {_x(r['ratio_to_star'])} "
                 f"| {r['gbit_per_worker']:.2f} | {_cores(r)} | {bound} | "
-                f"{'yes' if r['bit_exact'] else 'NO'} |"
+                f"{'yes' if r['bit_exact'] else 'NO'} | {link_mib} |"
             )
         lines.append("")
         lines += owners_ratios(rows)
@@ -155,6 +161,57 @@ def write_table(report: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def _plot_line(
+    ax: Any,
+    rows: list[dict[str, Any]],
+    kind: str,
+    key: str,
+    rate_bps: int | None,
+    rate: str,
+    variant: tuple[str, str, Any],
+    color: str,
+) -> None:
+    """One rate's (and variant's: senders, topology) seconds per round against N or M,
+    with its ideal and star bound drawn once, on the gathered star's line."""
+    senders, topology, style = variant
+    points = sorted(
+        (
+            (r[key], r)
+            for r in rows
+            if r["kind"] == kind
+            and r["rate_bps"] == rate_bps
+            and r.get("senders", "rank0") == senders
+            and r.get("topology", "star") == topology
+        ),
+        key=lambda point: point[0],
+    )
+    if not points:
+        return
+    xs = [x for x, _ in points]
+    ys = [r["median_s"] for _, r in points]
+    plain = senders == "rank0" and topology == "star"
+    label = rate if plain else f"{rate}, {'owners' if senders == 'owners' else topology}"
+    ax.plot(xs, ys, linestyle=style, color=color, label=label, linewidth=1.8)
+    for x, (_, r) in zip(xs, points):
+        ax.plot(
+            [x], [r["median_s"]], linestyle="none", color=color, markersize=6,
+            markerfacecolor=color if r["bound"] == "link" else "white",
+            marker="o" if r["bound"] != "other" else "s",
+        )  # fmt: skip
+    ideal = points[0][1]["ideal_s"]
+    if ideal is not None:
+        ax.axhline(ideal, linestyle="--", color=color, linewidth=1)
+        if plain:
+            ax.plot(xs, [ideal * r["workers"] for _, r in points], ":", color=color)
+
+
+_VARIANTS: tuple[tuple[str, str, Any], ...] = (
+    ("rank0", "star", "-"),
+    ("rank0", "chain", "-."),
+    ("owners", "star", (0, (6, 2, 1, 2, 1, 2))),
+)
+"""The lines a rate can have: (senders, topology, matplotlib line style)."""
+
 _COLORS = ["#d98c5f", "#3b7dd8", "#6aa84f", "#8e63b8", "#999999", "#cc0000"]
 
 
@@ -182,39 +239,10 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
     model_mib = report["meta"]["model"]["bytes"] / MiB
     for ax, kind in zip(axes[0], kinds):
         key = "workers" if kind == "workers" else "ranks"
-        lines = [(index, rate_bps, rate, senders) for index, (rate_bps, rate) in enumerate(rates)
-                 for senders in ("rank0", "owners")]  # fmt: skip
-        for index, rate_bps, rate, senders in lines:
+        for index, (rate_bps, rate) in enumerate(rates):
             color = _COLORS[index % len(_COLORS)]
-            points = sorted(
-                (
-                    (r[key], r)
-                    for r in rows
-                    if r["kind"] == kind
-                    and r["rate_bps"] == rate_bps
-                    and r.get("senders", "rank0") == senders
-                ),
-                key=lambda point: point[0],
-            )
-            if not points:
-                continue
-            xs = [x for x, _ in points]
-            ys = [r["median_s"] for _, r in points]
-            owners = senders == "owners"
-            ax.plot(
-                xs, ys, "-." if owners else "-", color=color, linewidth=1.8,
-                label=f"{rate}, owners" if owners else rate,
-            )  # fmt: skip
-            for x, (_, r) in zip(xs, points):
-                ax.plot(
-                    [x], [r["median_s"]], linestyle="none", color=color, markersize=6,
-                    markerfacecolor=color if r["bound"] == "link" else "white",
-                    marker="o" if r["bound"] != "other" else "s",
-                )  # fmt: skip
-            ideal = points[0][1]["ideal_s"]
-            if ideal is not None and not owners:
-                ax.axhline(ideal, linestyle="--", color=color, linewidth=1)
-                ax.plot(xs, [ideal * r["workers"] for _, r in points], ":", color=color)
+            for variant in _VARIANTS:
+                _plot_line(ax, rows, kind, key, rate_bps, rate, variant, color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:g}")
@@ -236,11 +264,11 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
         ax.legend(title="link rate", fontsize=8)
     fig.text(
         0.5, 0.005,
-        "dashed: ideal (model bytes / one link's rate); dotted: star bound (N copies through "
-        "the trainer's link); dash-dot: owner senders; hollow: not held by its links (circle: this machine's CPU; square: other)",
+        "solid: star; dash-dot: chain; dash-dot-dot: owner senders; dashed: ideal (model bytes / one link's rate); "
+        "dotted: star bound (N copies through the trainer's link);\nhollow: not held by its links (circle: this machine's CPU; square: other)",
         ha="center", fontsize=8,
     )  # fmt: skip
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cluster.png"
     fig.savefig(path, dpi=110)

@@ -93,6 +93,9 @@ class ClusterSettings:
     num_buffers: int = 2
     workers: tuple[int, ...] = (1, 2, 4, 8)
     """Worker counts N of the one-trainer scenarios."""
+    topologies: tuple[str, ...] = ("star",)
+    """The tcp topologies of the one-trainer scenarios (`"star"`, `"chain"`), each
+    measured at every N."""
     ranks: tuple[int, ...] = (1, 2, 4)
     """Trainer rank counts M of the FSDP2 scenarios (each to N = M workers)."""
     senders: tuple[str, ...] = ("rank0",)
@@ -345,20 +348,25 @@ def _workers_scenarios(
     if not settings.workers:
         return []
     rate_label = format_rate(rate).replace(" ", "").replace("/", "")
-    jobs = [
-        {"label": f"N{n}-{rate_label}", "urls": urls[:n], "worker_pids": pids[:n]}
-        for n in settings.workers
-    ]
-    log(f"  one trainer to N = {', '.join(map(str, settings.workers))} workers")
-    records = _run_ranks(
-        settings, cluster, world_size=1, jobs=jobs, env=env, log_dir=log_dir, worker_pids=pids,
-        deadline_s=_deadline(settings, rate, sum(settings.workers)), label=f"workers-{rate_label}",
-    )  # fmt: skip
     rows = []
-    for n, record in zip(settings.workers, records):
-        row = _row("workers", rate, n, 1, record, settings)
-        log(f"    N = {n}: {row['median_s']:.3f} s per round")
-        rows.append(row)
+    for topology in settings.topologies:
+        tail = "" if topology == "star" else f"-{topology}"
+        jobs = [
+            {"label": f"N{n}-{rate_label}{tail}", "urls": urls[:n], "worker_pids": pids[:n],
+             "topology": topology}
+            for n in settings.workers
+        ]  # fmt: skip
+        log(f"  one trainer to N = {', '.join(map(str, settings.workers))} workers ({topology})")
+        records = _run_ranks(
+            settings, cluster, world_size=1, jobs=jobs, env=env, log_dir=log_dir,
+            worker_pids=pids, deadline_s=_deadline(settings, rate, sum(settings.workers)),
+            label=f"workers-{rate_label}{tail}",
+        )  # fmt: skip
+        for n, record in zip(settings.workers, records):
+            row = _row("workers", rate, n, 1, record, settings)
+            row["topology"] = topology
+            log(f"    N = {n}: {row['median_s']:.3f} s per round")
+            rows.append(row)
     return rows
 
 
@@ -405,6 +413,10 @@ def _row(
         "warmup_s": [r["wall_s"] for r in record["rounds"] if r["warmup"]],
         "median_s": statistics.median(times),
         "bytes_per_round": timed[0]["bytes"] if timed else 0,
+        "trainer_link_bytes": statistics.median(
+            [r["link_bytes"] for r in timed if r.get("link_bytes") is not None] or [0]
+        ),
+        "topology": "star",
         "cores_busy": record["cores_busy"],
         "machine_cores": record.get("machine_cores"),
         "bit_exact": record["bit_exact"],
@@ -426,10 +438,17 @@ def derive(
     row["ideal_s"] = ideal
     # Owner senders: each rank's link carries 1/M of the model to each of M workers,
     # one model's bytes in all, so the busiest link's bound is the ideal itself.
-    copies = 1 if row.get("senders") == "owners" else row["workers"]
+    copies = (
+        1 if row.get("senders") == "owners" or row.get("topology") == "chain" else row["workers"]
+    )
     row["star_bound_s"] = None if ideal is None else ideal * copies
     row["ratio_to_ideal"] = None if ideal is None else row["median_s"] / ideal
     row["ratio_to_star"] = None if ideal is None else row["median_s"] / (ideal * copies)
+    # A chain's bound is one copy through a link (the trainer's), whatever N is.
+    chain = row.get("topology") == "chain"
+    bound_name, bound_ratio = (
+        ("ideal", row["ratio_to_ideal"]) if chain else ("star bound", row["ratio_to_star"])
+    )
     row["gbit_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
     cores = row["cores_busy"]
     row["cores_sum"] = sum(cores.values())
@@ -445,16 +464,16 @@ def derive(
         reasons.append(f"{busiest[0]} kept {busiest[1]:.2f} of a core busy")
     if machine is not None and machine >= cpu_bound_cores:
         reasons.append(f"the machine's cores were {machine:.2f} busy (other users included)")
-    at_links = row["ratio_to_star"] is not None and row["ratio_to_star"] <= LINK_BOUND_WITHIN
+    at_links = bound_ratio is not None and bound_ratio <= LINK_BOUND_WITHIN
     if at_links:
-        row["bound"], why = "link", f"{row['ratio_to_star']:.2f}x its star bound"
+        row["bound"], why = "link", f"{bound_ratio:.2f}x its {bound_name}"
     elif reasons:
         row["bound"], why = "CPU", "; ".join(reasons)
     else:
         machine_text = "-" if machine is None else f"{machine:.2f}"
         row["bound"] = "other"
         why = (
-            f"{row['ratio_to_star']:.2f}x its star bound with cores to spare (the run's "
+            f"{bound_ratio or 0:.2f}x its {bound_name} with cores to spare (the run's "
             f"{row['cores_sum']:.2f}, the machine's {machine_text})"
         )
     row["bound_why"] = why

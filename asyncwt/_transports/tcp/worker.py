@@ -14,7 +14,33 @@ from ..sockio import recv_segments
 from ..wire import FrameKind
 from .settings import TcpWorkerInitInfo
 
-__all__ = ["TcpReceiver", "TcpWorkerEngine"]
+__all__ = ["TcpReceiver", "TcpWorkerEngine", "receive_buckets"]
+
+
+def receive_buckets(
+    link: WorkerLink,
+    plan: TransferPlan,
+    pool: ReceivePool,
+    round_id: int,
+    target: LandingTarget,
+    base: int = 0,
+) -> Iterator[ReceivedBucket]:
+    """Yield each bucket of `round_id` read from `link` with `recvmsg_into`, its
+    slices scattered into place (the star's connection or a chain's relay stream).
+    `base`: the round whose bytes this worker holds, for delta frames (star only)."""
+    with link.guard(round_id):
+        for frame in link.frames(round_id, base=base):
+            bucket = plan.buckets[frame.index]
+            if frame.kind == FrameKind.DELTA:
+                yield receive_delta(link.sock, frame, bucket, pool, target)
+                continue
+            buffer, release, segments = pool.landing(bucket, target)
+            try:
+                recv_segments(link.sock, segments)
+            except BaseException:
+                release()
+                raise
+            yield ReceivedBucket(bucket, buffer, release)
 
 
 class TcpReceiver(ReceiverTransport):
@@ -35,6 +61,10 @@ class TcpReceiver(ReceiverTransport):
         info = self.info
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, delta=info.delta)
+        if info.member >= 0:  # a tracked member: pair this connection with it
+            from .relay import announce
+
+            announce(self.link, info.member, "", 0)
 
     @property
     def usable(self) -> bool:
@@ -43,19 +73,7 @@ class TcpReceiver(ReceiverTransport):
     def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
-        with link.guard(round_id):
-            for frame in link.frames(round_id, base=self.delta_base):
-                bucket = self.plan.buckets[frame.index]
-                if frame.kind == FrameKind.DELTA:
-                    yield receive_delta(link.sock, frame, bucket, self.pool, target)
-                    continue
-                buffer, release, segments = self.pool.landing(bucket, target)
-                try:
-                    recv_segments(link.sock, segments)
-                except BaseException:
-                    release()
-                    raise
-                yield ReceivedBucket(bucket, buffer, release)
+        yield from receive_buckets(link, self.plan, self.pool, round_id, target, self.delta_base)
 
     def close(self) -> None:
         if self.link is not None:
@@ -63,9 +81,18 @@ class TcpReceiver(ReceiverTransport):
 
 
 class TcpWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"tcp"` backend (deferred apply; see `DeferredWorkerEngine`)."""
+    """Worker engine of the `"tcp"` backend (deferred apply; see `DeferredWorkerEngine`).
+
+    With the trainer's `topology="chain"` it receives from its predecessor and
+    forwards to its successor (`ChainReceiver`), listening on `config.relay_host`.
+    """
 
     init_info_cls = TcpWorkerInitInfo
 
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        return TcpReceiver(info, plan, self.receive_pool(info, plan))
+        pool = self.receive_pool(info, plan)
+        if info.topology == "chain":
+            from .relay import ChainReceiver
+
+            return ChainReceiver(info, plan, pool, self.config.relay_host)
+        return TcpReceiver(info, plan, pool)

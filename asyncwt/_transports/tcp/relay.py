@@ -1,0 +1,379 @@
+"""The `"tcp"` chain, worker side: receive from a predecessor, forward to a successor.
+
+Each worker keeps its authenticated link to the trainer as a control link (READY
+out, ROUTE in) and listens, on its relay address, for the one predecessor that
+feeds it. Every round:
+
+1. the worker sends READY on the control link and reads its ROUTE: the successor's
+   address, or none for the tail;
+2. it connects to its successor (the same handshake as with the trainer: the token
+   and the plan digest, proven both ways), then accepts its predecessor (the
+   trainer itself for the head) on its listener;
+3. it reads the round's stream from its predecessor: every chunk the socket hands
+   over is sent on to the successor as it is (`Tee`), before anything else is
+   done with it, and meanwhile lands where a star worker would put it. What goes
+   on is what came in, byte for byte, never a transformed copy; headers and
+   payload alike, so END and ABORT travel down the chain by themselves;
+4. the round's relay connections close; the control link stays.
+
+The update returns once END was received and forwarded, so a worker publishes
+(at finish, after its drain) only what it applied and passed on. A broken relay
+connection fails only this round (the trainer decides what comes next); a broken
+control link needs a new init, as in the star.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import select
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..._core.errors import (
+    AsyncwtError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ..._core.plan import TransferPlan
+from ..._core.validate import MAX_HOST_CHARS, check_host
+from ..._worker.engine import ReceivePool
+from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
+from ..link import WorkerLink, connect_link, read_abort_reason
+from ..sockio import recv_exact, send_all
+from ..wire import (
+    FRAME_SIZE,
+    HELLO_SIZE,
+    PROOF_SIZE,
+    Frame,
+    FrameKind,
+    HandshakeStatus,
+    pack_challenge,
+    pack_result,
+    proof_is_valid,
+    unpack_hello,
+)
+from .settings import TcpWorkerInitInfo
+from .worker import receive_buckets
+
+__all__ = ["ChainReceiver", "Route", "Tee", "announce", "serve_handshake"]
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+HANDSHAKE_S = 2.0
+"""Seconds a connection to a relay listener has to finish its handshake once its
+first bytes came: a real peer answers within a round trip."""
+
+
+def announce(link: WorkerLink, member: int, host: str, port: int) -> None:
+    """Tell the trainer this worker's member number and relay listener (LISTEN)."""
+    payload = host.encode()
+    frame = Frame(FrameKind.LISTEN, 0, member, link.digest, len(payload), port)
+    with link._send_lock:
+        send_all(link.sock, frame.pack() + payload)
+
+
+@dataclass(frozen=True)
+class Route:
+    """This worker's place in a round's chain."""
+
+    position: int
+    successor: tuple[str, int] | None
+
+
+def read_route(link: WorkerLink, round_id: int) -> Route:
+    """Read this round's ROUTE from the control link; a stale ABORT is skipped, this
+    round's is a `TransferAbortedError`. Every field is checked before use."""
+    while True:
+        frame = Frame.unpack(recv_exact(link.sock, FRAME_SIZE))
+        if frame.kind == FrameKind.ABORT:
+            reason = read_abort_reason(link.sock, frame)
+            if frame.round_id < round_id:
+                continue
+            raise TransferAbortedError(
+                f"round {round_id}: the trainer aborted the round before it began: {reason}",
+                buckets_received=0,
+            )
+        if (
+            frame.kind == FrameKind.ROUTE
+            and frame.round_id < round_id
+            and frame.nbytes <= MAX_HOST_CHARS
+        ):
+            recv_exact(link.sock, frame.nbytes)  # a round this worker gave up waiting for
+            continue
+        if frame.kind != FrameKind.ROUTE or frame.round_id != round_id:
+            raise ProtocolError(
+                f"round {round_id}: expected the round's ROUTE, got {frame.kind.name} for "
+                f"round {frame.round_id}"
+            )
+        if frame.digest != link.digest:
+            raise ProtocolError(f"round {round_id}: ROUTE for another plan")
+        if frame.nbytes > MAX_HOST_CHARS or (frame.slot == 0) != (frame.nbytes == 0):
+            raise ProtocolError(
+                f"round {round_id}: ROUTE should name a host of 1-{MAX_HOST_CHARS} bytes with "
+                f"a port, or neither; got {frame.nbytes} bytes and port {frame.slot}"
+            )
+        if frame.slot > 65535:
+            raise ProtocolError(f"round {round_id}: ROUTE port {frame.slot} is out of range")
+        if frame.slot == 0:
+            return Route(frame.index, None)
+        host = recv_exact(link.sock, frame.nbytes).decode("utf-8", "replace")
+        try:
+            check_host("ROUTE host", host)
+        except ValueError as exc:
+            raise ProtocolError(f"round {round_id}: {exc}") from None
+        return Route(frame.index, (host, frame.slot))
+
+
+def serve_handshake(sock: socket.socket, token: str, plan: TransferPlan, timeout: float) -> bool:
+    """The listening side of the link's handshake, blocking: prove the token, check
+    the peer's proof and plan digest, answer RESULT. True once the peer is admitted."""
+    digest = bytes.fromhex(plan.digest)
+    sock.settimeout(timeout)
+    nonce, peer_digest = unpack_hello(recv_exact(sock, HELLO_SIZE))
+    own = secrets.token_bytes(32)
+    send_all(sock, pack_challenge(token, nonce, own, digest))
+    proof = recv_exact(sock, PROOF_SIZE)
+    if not proof_is_valid(token, nonce, own, digest, proof):
+        status = HandshakeStatus.BAD_PROOF
+    elif peer_digest != digest:
+        status = HandshakeStatus.PLAN_MISMATCH
+    else:
+        status = HandshakeStatus.OK
+    send_all(sock, pack_result(status))
+    return status == HandshakeStatus.OK
+
+
+class RelayListener:
+    """Where a chain worker waits for its predecessor: bound for the engine's life,
+    read only during a round; every connection must pass the handshake."""
+
+    def __init__(self, bind: str, token: str, plan: TransferPlan) -> None:
+        self.token = token
+        self.plan = plan
+        self.sock = socket.create_server((bind, 0), backlog=16)
+        self.port: int = self.sock.getsockname()[1]
+
+    def accept(self, control: WorkerLink, round_id: int, timeout: float) -> socket.socket:
+        """The predecessor's authenticated connection for `round_id`.
+
+        Waits at most `timeout` seconds. Connections are taken as they come and each
+        is served only once its first bytes are there (a real peer sends its HELLO at
+        once), each handshake bounded by `HANDSHAKE_S`: a connection that sends
+        nothing holds nobody up, and one that fails the handshake is closed. An
+        ABORT of this round on the control link ends the wait
+        (`TransferAbortedError`).
+        """
+        deadline = time.monotonic() + timeout
+        pending: list[socket.socket] = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(
+                        f"round {round_id}: no predecessor connected to this worker's relay "
+                        f"listener within connect_timeout={timeout}s"
+                    )
+                watched = [self.sock, control.sock, *pending]
+                readable, _, _ = select.select(watched, [], [], left)
+                if control.sock in readable:
+                    with control.guard(round_id):  # only an ABORT (raised) may come now
+                        read_route(control, round_id)
+                        raise ProtocolError(f"round {round_id}: a second ROUTE for the round")
+                if self.sock in readable:
+                    pending.append(self.sock.accept()[0])
+                for conn in [c for c in pending if c in readable]:
+                    pending.remove(conn)
+                    try:
+                        if serve_handshake(conn, self.token, self.plan, min(left, HANDSHAKE_S)):
+                            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                            return conn
+                    except (OSError, AsyncwtError):
+                        pass  # a stranger, or a connection left over from an abandoned round
+                    conn.close()
+        finally:
+            for conn in pending:
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Tee:
+    """A socket's reading side that forwards every byte it reads.
+
+    `recvmsg_into` reads from `upstream` and, before it returns, sends the bytes it
+    got to `downstream` (if any), straight from the buffers they landed in: cut-through
+    at the granularity of what the socket hands over. The link code reads through it
+    as through a socket.
+    """
+
+    def __init__(self, upstream: socket.socket, downstream: socket.socket | None) -> None:
+        self.upstream = upstream
+        self.downstream = downstream
+
+    def recvmsg_into(self, buffers: Sequence[memoryview], *args: Any) -> Any:
+        result = self.upstream.recvmsg_into(buffers, *args)
+        left = result[0]
+        if left and self.downstream is not None:
+            for buffer in buffers:
+                chunk = buffer[: min(left, buffer.nbytes)]
+                self.downstream.sendall(chunk)
+                left -= chunk.nbytes
+                if not left:
+                    break
+        return result
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.upstream.settimeout(timeout)
+        if self.downstream is not None:
+            self.downstream.settimeout(timeout)
+
+    def shutdown(self, how: int) -> None:
+        for sock in (self.upstream, self.downstream):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(how)
+
+    def close(self) -> None:
+        self.upstream.close()
+        if self.downstream is not None:
+            self.downstream.close()
+
+
+class _RelayLink(WorkerLink):
+    """The round's stream from the predecessor: READY went on the control link."""
+
+    def send(self, frame: Frame) -> None:
+        return None
+
+
+RELAY_HOST_ENV = "ASYNCWT_RELAY_HOST"
+"""Where a chain worker listens when its config names no `relay_host` (a vLLM
+server's workers, say: set it to the address the server is bound to)."""
+
+
+def relay_address(control: socket.socket, configured: str | None) -> tuple[str, str]:
+    """`(bind, advertise)`: the configured relay host, else `$ASYNCWT_RELAY_HOST`
+    (a wildcard binds everywhere and advertises the address the trainer is reached
+    from), else the address the trainer is reached from."""
+    reached_from = str(control.getsockname()[0])
+    if configured is None and os.environ.get(RELAY_HOST_ENV):
+        configured = os.environ[RELAY_HOST_ENV]
+        check_host(RELAY_HOST_ENV, configured)
+    if configured is None:
+        return reached_from, reached_from
+    if configured in _WILDCARDS:
+        return configured, reached_from
+    return configured, configured
+
+
+class ChainReceiver(ReceiverTransport):
+    """Receives each round from its predecessor and forwards it (see the module)."""
+
+    def __init__(
+        self,
+        info: TcpWorkerInitInfo,
+        plan: TransferPlan,
+        pool: ReceivePool,
+        relay_host: str | None,
+    ) -> None:
+        self.info = info
+        self.plan = plan
+        self.pool = pool
+        self.relay_host = relay_host
+        self.control: WorkerLink | None = None
+        self.listener: RelayListener | None = None
+        self._relays: list[socket.socket] = []
+        """The relay connections of the round being received."""
+
+    def connect(self) -> None:
+        info = self.info
+        sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
+        try:
+            bind, advertise = relay_address(sock, self.relay_host)
+            self.listener = RelayListener(bind, info.token, self.plan)
+            self.control = WorkerLink(sock, self.plan, info.recv_timeout)
+            announce(self.control, max(info.member, 0), advertise, self.listener.port)
+        except BaseException:
+            self.close()
+            sock.close()
+            raise
+
+    @property
+    def usable(self) -> bool:
+        return self.control is not None and not self.control.broken
+
+    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
+        control, listener, info = self.control, self.listener, self.info
+        assert control is not None and listener is not None
+        control.sock.settimeout(info.recv_timeout)
+        with control.guard(round_id):  # a broken control link needs a new init
+            control.send(Frame(FrameKind.READY, round_id, 0, control.digest, 0, 0))
+        route = self._route(control, round_id)
+        downstream: socket.socket | None = None
+        upstream: socket.socket | None = None
+        try:
+            if route.successor is not None:
+                host, port = route.successor
+                downstream = self._track(
+                    connect_link(
+                        host,
+                        port,
+                        info.token,
+                        self.plan,
+                        info.connect_timeout,
+                        peer=f"the next worker in the chain (place {route.position + 1})",
+                    )
+                )
+            upstream = self._track(listener.accept(control, round_id, info.connect_timeout))
+            stream = _RelayLink(Tee(upstream, downstream), self.plan, info.recv_timeout)  # type: ignore[arg-type]
+            yield from receive_buckets(stream, self.plan, self.pool, round_id, target)
+        finally:
+            for sock in (upstream, downstream):
+                if sock is not None:
+                    sock.close()
+            self._relays = []
+
+    def _route(self, control: WorkerLink, round_id: int) -> Route:
+        """This round's ROUTE. Waiting past `recv_timeout` fails the round but keeps the
+        control link (a late ROUTE is skipped next round); anything else that breaks
+        the link closes it (a new init is needed)."""
+        try:
+            return read_route(control, round_id)
+        except TimeoutError:
+            raise TransferTimeoutError(
+                f"round {round_id}: no ROUTE from the trainer within recv_timeout="
+                f"{control.recv_timeout}s; the round is off, the link to the trainer stays"
+            ) from None
+        except TransferAbortedError:
+            raise
+        except (OSError, AsyncwtError) as exc:
+            control.close()
+            raise TransferError(
+                f"round {round_id}: the link to the trainer failed while waiting for the "
+                f"round's ROUTE: {exc}; a new trainer_init (init_weight_transfer_engine) "
+                f"reconnects"
+            ) from exc
+
+    def _track(self, sock: socket.socket) -> socket.socket:
+        self._relays.append(sock)
+        return sock
+
+    def abandon(self) -> None:
+        """Shut the older round's relay connections: a forward blocked on a stalled
+        successor, or a read on a stalled predecessor, fails at once."""
+        for sock in list(self._relays):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        if self.control is not None:
+            self.control.close()
