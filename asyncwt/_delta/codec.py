@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from .._core.bytes import byte_view
+from .._core.bytes import byte_view, empty_bytes
 from .._core.errors import ProtocolError
 from .._core.plan import Bucket
 from .._transports.wire import DELTA_HEADER_BYTES
@@ -218,7 +218,10 @@ def _encoded(
     if allow_coded and count * (4 + unit) < payload * RAW_FRACTION:
         where = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
         gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
-        changed = torch.cat(values) if values else torch.zeros(0, dtype=torch.uint8)
+        changed = torch.cat(values) if values else _units(empty_bytes(0), unit)
+        # `base` differs from the new payload only at the changed units: write those
+        # (a scatter of the few), not the whole payload (a copy of all of it).
+        _units(base, unit)[where] = changed
         sparse = torch.cat([gaps.view(torch.uint8), changed.view(torch.uint8)])
         coded: bytes = bytes(byte_view(sparse))
         encoding = Encoding.SPARSE
@@ -226,8 +229,7 @@ def _encoded(
             packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(coded)
             if len(packed) < len(coded):
                 coded, encoding = packed, Encoding.ZSPARSE
-        header = DeltaHeader(encoding, len(coded), count, digest)
-        body = coded
+        return Encoded(DeltaHeader(encoding, len(coded), count, digest), coded)
     at = 0
     for segment in segments:
         base[at : at + segment.numel()].copy_(segment)
