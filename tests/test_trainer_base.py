@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import threading
 import time
@@ -393,3 +394,17 @@ async def test_call_client_propagates_the_clients_exception() -> None:
         await call_client(FailingClient(), "start_weight_update")
     with pytest.raises(ConnectionError, match=r"^worker gone \(async\)$"):
         await call_client(FailingAsyncClient(), "start_weight_update")
+
+
+def test_round_summary_names_wire_bytes_and_dropped_workers_only_when_they_say_something() -> None:
+    from asyncwt import RoundStats
+
+    full = RoundStats(
+        round_id=3, weight_version="v3", bytes=4 << 20, wire_bytes=4 << 20, buckets=1,
+        workers=2, wall_s=0.5,
+    )  # fmt: skip
+    assert "on the wire" not in full.summary() and "dropped" not in full.summary()
+    assert full.summary().startswith("round 3 (version v3): 4.0 MiB in 1 buckets to 2 worker(s)")
+    delta = dataclasses.replace(full, wire_bytes=1 << 19, dropped=("http://10.0.0.2:8000",))
+    assert delta.summary().startswith("round 3 (version v3): 4.0 MiB (0.5 MiB on the wire) in 1")
+    assert delta.summary().endswith("; dropped http://10.0.0.2:8000")

@@ -65,12 +65,16 @@ class RoundStats:
         return data
 
     def summary(self) -> str:
-        """One log line."""
+        """One log line (the bytes on the wire only where a delta round made them fewer)."""
         stages = " ".join(f"{k}={v:.3f}s" for k, v in self.stage_busy_s.items())
+        wire = (
+            f" ({self.wire_bytes / 2**20:.1f} MiB on the wire)"
+            if 0 < self.wire_bytes < self.bytes
+            else ""
+        )
+        dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
         return (
-            f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB "
-            f"({self.wire_bytes / 2**20:.1f} MiB on the wire) "
-            f"in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
-            f"{self.throughput_gbps:.2f} GB/s; busy {stages}"
-            + (f"; dropped {', '.join(self.dropped)}" if self.dropped else "")
+            f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB"
+            f"{wire} in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "
+            f"{self.throughput_gbps:.2f} GB/s; busy {stages}{dropped}"
         )
