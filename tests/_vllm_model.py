@@ -104,3 +104,11 @@ def greedy_tokens(model: Any, prompt_ids: list[int], max_tokens: int) -> list[in
         out.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return out
+
+
+def model_from_env() -> Any:
+    """`asyncwt worker --model _vllm_model:model_from_env`: the tiny Llama with the
+    vocabulary size in `$ASYNCWT_TEST_VOCAB` (a zero-argument factory for the CLI)."""
+    import os
+
+    return build_model(int(os.environ["ASYNCWT_TEST_VOCAB"]), seed=0)

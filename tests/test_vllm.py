@@ -364,3 +364,44 @@ async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
             good_model.load_state_dict(original.state_dict())
             await engine.send_weights(weight_version="restored")
             assert await served_tokens(session, vllm_server, prompts) == expected_original
+
+
+@needs_vllm
+@pytest.mark.asyncio
+@pytest.mark.parametrize("vllm_first", [True, False], ids=["vllm-head", "vllm-tail"])
+async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
+    vllm_server: str, prompts: list[list[int]], original: Any, vllm_first: bool
+) -> None:
+    """topology="chain" through the plugin: the vLLM server forwards to an asyncwt worker
+    (or receives from one); generation follows the weights and the asyncwt worker holds
+    the trainer's bytes exactly, having received them only through its neighbour."""
+    from asyncwt._cli.launch import worker_process
+    from asyncwt._core.checksum import model_checksum
+
+    trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=3)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        ASYNCWT_TEST_VOCAB=str(original.config.vocab_size),
+    )
+    with worker_process("_vllm_model:model_from_env", env=env) as worker_url:
+        urls = [vllm_server, worker_url] if vllm_first else [worker_url, vllm_server]
+        client = HttpClient(urls)
+        info = TcpTrainerInitInfo(rank=0, topology="chain")
+        engine = await trainer_init(info, client=client, source=ModuleSource(trainer_model))
+        try:
+            async with aiohttp.ClientSession() as session, HttpClient(worker_url) as worker:
+                for version, seed in (("c1", 3), ("c2", 4)):
+                    _vllm_model.reseed(trainer_model, seed)
+                    stats = await engine.send_weights(weight_version=version)
+                    assert stats.workers == 2
+                    expected = expected_tokens(trainer_model, prompts)
+                    assert await served_tokens(session, vllm_server, prompts) == expected
+                    assert await served_version(session, vllm_server) == version
+                    (answer,) = await worker.weights_status()
+                    assert answer["weight_version"] == version
+                    assert answer["checksum"] == model_checksum(trainer_model)
+        finally:
+            await engine.shutdown()
+            await client.shutdown()
+            await client.close()
