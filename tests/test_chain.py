@@ -9,6 +9,8 @@ Nothing leaks (file descriptors, tasks, threads, here and in the survivors).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import random
 import signal
@@ -39,6 +41,8 @@ from asyncwt import (
     AsyncwtError,
     HttpClient,
     LocalClient,
+    ModuleSource,
+    ParamMeta,
     TcpTrainerInitInfo,
     WeightTransferConfig,
     model_checksum,
@@ -308,6 +312,27 @@ def test_topology_and_failure_policy_name_the_bad_value() -> None:
         TcpTrainerInitInfo(rank=0, topology="ring")
     with pytest.raises(ValueError, match="on_worker_failure should be one of .*got 'retry'"):
         TcpTrainerInitInfo(rank=0, on_worker_failure="retry")
+
+
+@pytest.mark.asyncio
+async def test_combinations_a_tracked_fleet_cannot_run_are_refused_at_init() -> None:
+    for fleet in ({"topology": "chain"}, {"on_worker_failure": "drop"}):
+        with pytest.raises(ValueError, match="delta should be False with topology="):
+            TcpTrainerInitInfo(rank=0, delta=True, **fleet)
+    with pytest.raises(ValueError, match="on_worker_failure should be 'fail' with senders="):
+        TcpTrainerInitInfo(rank=0, senders="owners", on_worker_failure="drop")
+
+    class Sharded(ModuleSource):  # a parameter rank 1 holds too: a drop's re-run would hang
+        @functools.cached_property
+        def metadata(self) -> list[ParamMeta]:
+            return [
+                dataclasses.replace(m, owners=(0, 1)) for m in ModuleSource(self._module).metadata
+            ]
+
+    info = TcpTrainerInitInfo(rank=0, on_worker_failure="drop")
+    client = LocalClient(local_engines(1))
+    with pytest.raises(ValueError, match=r"got 'drop' with parameter '.*' owned by ranks \(0, 1\)"):
+        await trainer_init(info, client=client, source=Sharded(_models.mixed()))
 
 
 def local_engines(count: int) -> list[WeightTransferEngine[Any, Any]]:

@@ -91,11 +91,15 @@ class DeltaLinks:
             self._wire += nbytes * len(self._deltas) + bucket.payload_bytes * len(self._fulls)
             return
         started = time.perf_counter()
-        with single_error():
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, state.keep, bucket, segments)
-                await links.each(links.send_frame, raw_frame, what)
-                state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
+        if state.keeps_nothing:  # a full round that keeps no copy: as without deltas
+            await links.each(links.send_frame, raw_frame, what)
+            state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
+        else:
+            with single_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(anyio.to_thread.run_sync, state.keep, bucket, segments)
+                    await links.each(links.send_frame, raw_frame, what)
+                    state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
         self._wire += bucket.payload_bytes * len(links.peers)
 
     def end_round(self, round_id: int) -> None:

@@ -167,6 +167,12 @@ class DeltaSender:
         rates.ratio = coded.header.body_bytes / payload
         return coded
 
+    @property
+    def keeps_nothing(self) -> bool:
+        """Whether `keep` has nothing to do this round (the copy is not kept and the
+        encoder was measured): a full bucket then goes out with no thread hand-off."""
+        return not self.keeping and self._sampled
+
     def keep(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> None:
         """Copy a bucket sent in full into the copy (while `keeping`), measuring the
         encoder on a sample of the round's first large bucket (a thread's work)."""

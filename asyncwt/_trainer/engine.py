@@ -164,11 +164,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         engine = cls(init_info, client=client, source=source, plan=plan, device=device)
         if init_info.is_sender:
             transport = cls.make_transport(init_info, plan, device)
-            fields = {
-                "plan": plan.to_wire(),
-                **settings.worker_fields(),
-                "trainer_id": engine.trainer_id,
-            }
+            fields = engine.worker_init_fields()
 
             async def init_workers(init_info: dict[str, Any]) -> None:
                 await bounded_call(
@@ -350,6 +346,16 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             **finish_ids,
         )
         return busy
+
+    def worker_init_fields(self) -> dict[str, Any]:
+        """What every worker's `init_weight_transfer_engine` gets from this engine: its
+        plan, the backend's worker fields and the trainer's id (the transport adds the
+        rest: where to connect, a member's number)."""
+        return {
+            "plan": self.plan.to_wire(),
+            **self.info.worker_fields(),
+            "trainer_id": self.trainer_id,
+        }
 
     async def stream(
         self, transport: SenderTransport, fence: LaneEvent, opened: anyio.Event

@@ -199,7 +199,7 @@ async def owners_trainer_init(
     engine.round_digest = layout.digest
     engine.round_total_bytes = layout.total_bytes
     exchange = await anyio.to_thread.run_sync(_Exchange)
-    fields = {"plan": share.to_wire(), **init_info.worker_fields(), "trainer_id": engine.trainer_id}
+    fields = engine.worker_init_fields()
     joined = False  # whether this rank reached the endpoint exchange
 
     async def init_workers(mine: dict[str, Any]) -> None:

@@ -220,11 +220,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
             raise RuntimeError("add_workers called while a round runs; call it between rounds")
         transport, members = fleet
         numbers = members.add(client)
-        fields: dict[str, Any] = {
-            "plan": self.plan.to_wire(),
-            **self.info.worker_fields(),
-            "trainer_id": self.trainer_id,
-        }
+        fields = self.worker_init_fields()
 
         async def init_workers(init_info: dict[str, Any]) -> None:
             await bounded_call(
