@@ -9,8 +9,8 @@ q/k/v/o and SwiGLU gate/up/down projections, RMS norms, LM head; no rotary
 embedding) is trained from a fixed init with AdamW in fp32 on a fixed synthetic
 token stream. After every step its weights are cast to bf16 and pushed, over
 tcp on loopback, to three `asyncwt worker` processes, each by its own trainer
-(see `KINDS`: deltas always, deltas where they pay, full rounds), each kind going
-first in turn. Every round of both is checked bit-exact
+(see `KINDS`: deltas always, deltas where they pay, full rounds, and full rounds
+again to show the noise), each kind going first in turn. Every round of both is checked bit-exact
 against the bf16 weights (the workers' `/weights_status` checksum).
 
 Reported per round: payload bytes, bytes on the wire, wall seconds of the delta
@@ -118,14 +118,17 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-KINDS = ("always", "auto", "full")
-"""The three trainers, each to its own worker: `delta_policy="always"` (every round
+KINDS = ("always", "auto", "full", "twin")
+"""The four trainers, each to its own worker: `delta_policy="always"` (every round
 a delta: the encoding's bytes and cost), `"auto"` (what a user gets: deltas only
-where they pay) and `delta=False` (the full round, the baseline)."""
+where they pay), `delta=False` (the full round, the baseline) and `twin`, a second
+`delta=False` trainer: what it measures against `full` is the noise every per-round
+ratio carries (both do the same work)."""
+FULL_KINDS = ("full", "twin")
 
 
 def _info(kind: str, bucket: int, host: str) -> TcpTrainerInitInfo:
-    if kind == "full":
+    if kind in FULL_KINDS:
         return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host)
     return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host, delta=True, delta_policy=kind)
 
@@ -166,7 +169,9 @@ async def run_lr(
                 loss = float(loss_t.detach())
                 cast_into(mirror, master)
             version = f"lr{lr:g}-step{step}"
-            order = KINDS[step % 3 :] + KINDS[: step % 3]  # each kind goes first in turn
+            order = (
+                KINDS[step % len(KINDS) :] + KINDS[: step % len(KINDS)]
+            )  # each kind goes first in turn
             stats = {}
             for kind in order:
                 stats[kind] = await engines[kind].send_weights(weight_version=version)
@@ -190,6 +195,8 @@ async def run_lr(
                 "auto_s": stats["auto"].wall_s,
                 "always_ratio": stats["always"].wall_s / full_s,
                 "auto_ratio": stats["auto"].wall_s / full_s,
+                "twin_s": stats["twin"].wall_s,
+                "twin_ratio": stats["twin"].wall_s / full_s,
                 "bit_exact": exact,
             }
             rows.append(row)
@@ -200,10 +207,14 @@ async def run_lr(
                 f"{row['always_s']:.3f}s (x{row['always_ratio']:.2f}; coding "
                 f"{encode_s:.3f}s), auto "
                 f"{row['auto_s']:.3f}s (x{row['auto_ratio']:.2f}, "
-                f"{row['auto_wire_bytes'] / 2**20:.1f} MiB) | exact={exact}",
+                f"{row['auto_wire_bytes'] / 2**20:.1f} MiB), twin x{row['twin_ratio']:.2f} "
+                f"| exact={exact}",
                 flush=True,
             )
-        host_bytes = engines["always"].transport.delta.state.host_bytes  # type: ignore[union-attr]
+        host_bytes = {
+            kind: engines[kind].transport.delta.state.host_bytes  # type: ignore[union-attr]
+            for kind in ("always", "auto")
+        }
     finally:
         for engine in engines.values():
             await engine.shutdown()
@@ -219,6 +230,8 @@ async def run_lr(
         "median_always_ratio": _median([r["always_ratio"] for r in deltas]),
         "median_auto_ratio": _median([r["auto_ratio"] for r in deltas]),
         "max_auto_ratio": max(r["auto_ratio"] for r in deltas),
+        "median_twin_ratio": _median([r["twin_ratio"] for r in deltas]),
+        "max_twin_ratio": max(r["twin_ratio"] for r in deltas),
         "all_bit_exact": all(r["bit_exact"] for r in rows),
     }
 
@@ -396,8 +409,12 @@ def _summary(result: dict[str, Any], out: Path) -> None:
             f"lr {run['lr']:g}: delta rounds put median {100 * run['median_wire_fraction']:.1f}% "
             f"(max {100 * run['max_wire_fraction']:.1f}%) of the payload on the wire; time vs "
             f"full: delta x{run['median_always_ratio']:.2f}, auto x{run['median_auto_ratio']:.2f}"
-            f" (max x{run['max_auto_ratio']:.2f}); bit-exact {run['all_bit_exact']}; "
-            f"trainer host copy {run['trainer_host_copy_bytes'] / 2**20:.1f} MiB"
+            f" (max x{run['max_auto_ratio']:.2f}), a second full trainer (the noise) "
+            f"x{run['median_twin_ratio']:.2f} (max x{run['max_twin_ratio']:.2f}); bit-exact "
+            f"{run['all_bit_exact']}; trainer host copy at the end: "
+            + ", ".join(
+                f"{k} {v / 2**20:.1f} MiB" for k, v in run["trainer_host_copy_bytes"].items()
+            )
         )
     rss = result["worker_peak_rss_bytes"]
     print("worker peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items()))

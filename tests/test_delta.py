@@ -196,27 +196,35 @@ def test_delta_settings_are_checked() -> None:
         TcpTrainerInitInfo(rank=0, delta=True, delta_full_every=-1)
 
 
-def test_auto_policy_sends_deltas_only_where_they_pay_and_stops_copying_where_they_never_do() -> (
-    None
-):
+def test_auto_policy_keeps_a_copy_and_sends_deltas_only_once_the_wire_is_slow() -> None:
     plan = TransferPlan.build([ParamMeta("w", torch.bfloat16, (4 << 20,))], bucket_bytes=8 << 20)
     state = DeltaSender(plan, policy="auto")
     new = torch.randn(4 << 20).to(torch.bfloat16).view(torch.uint8)
-    assert state.begin(1, [0]) == [False] and state.keeping  # nothing held yet
-    state.keep(plan.buckets[0], [new])
+    # Round 1: the wire is not measured yet, so the round keeps nothing.
+    assert state.begin(1, [0]) == [False] and not state.keeping and state.keeps_nothing
+    state.sent_raw(1 << 20, 1.0)  # too few bytes to measure the wire on their own
     state.end(1)
-    assert state.begin(2, [1]) == [True]  # the wire is not measured yet: try
+    assert state.base_round == 0, "a round not kept leaves the copy of no round"
+    assert state.begin(2, [0]) == [False] and not state.keeping
+    state.sent_raw(7 << 20, 7.0)  # with round 1's bytes: a slow wire, 1 MiB/s
+    state.end(2)
+    # Round 3 keeps the copy (a delta of nothing pays on that wire); round 4 codes.
+    assert state.begin(3, [0]) == [False] and state.keeping
+    state.keep(plan.buckets[0], [new])
+    state.end(3)
+    assert state.host_bytes == plan.total_bytes
+    assert state.base_round == 3
+    assert state.begin(4, [3, 0]) == [True, False]
     state.abort()
-    state.sent_raw(8 << 20, 8.0)  # a slow wire: 1 MB/s
-    assert state.begin(2, [1]) == [True]
-    state.abort()
+    assert state.base_round == 3, "an aborted round that wrote nothing keeps the copy's round"
     for _ in range(40):
         state.sent_raw(8 << 20, 1e-6)  # a wire far faster than any encoder
-    assert state.begin(2, [1]) == [False] and not state.keeping
-    state.keep(plan.buckets[0], [new])  # measures the encoder, copies nothing
-    state.end(2)
-    assert state.base_round == 0, "a round not kept leaves the copy of no round"
+    assert state.begin(4, [3]) == [False] and not state.keeping
+    assert state.host_bytes == 0, "a copy no longer kept gives its memory back"
+    state.end(4)
+    assert state.base_round == 0
     always = DeltaSender(plan, policy="always")
+    assert always.begin(1, [0]) == [False] and always.keeping
     always.keep(plan.buckets[0], [new])
     always.end(1)
     always.sent_raw(8 << 20, 1e-6)

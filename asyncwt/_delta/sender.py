@@ -8,10 +8,14 @@ round's digest check) gets a full one, automatically. So does everyone when the
 copy itself is not of one completed round (the first round, or after an abort),
 and every `full_every` rounds.
 
-Whether a delta round pays is decided per round from rates measured as rounds
-go: the wire's (from raw buckets sent) against the encoder's (from buckets
-encoded, or a small sample of each bucket in a full round). Where encoding would
-take longer than the bytes it saves (a fast loopback), the round goes full.
+Whether a delta round pays is decided per round from rates: the wire's, measured
+from the raw buckets every round sends (free), against the encoder's. The
+encoder's least cost (coding a bucket that did not change) is measured once, when
+the sender is made, on bytes of its own; its cost on real changes is measured on
+the delta rounds it sends. The copy costs a memcpy of every byte per round, so
+it is kept only once the wire is known to be slow enough for a delta to pay:
+the first round keeps nothing, and on a link faster than the encoder (a
+loopback) no round ever does more than a plain one.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from .._core.bytes import empty_bytes
 from .._core.plan import Bucket, TransferPlan
 from .codec import Encoded, encode, unit_of
 
-__all__ = ["DeltaSender", "check_delta_plan"]
+__all__ = ["DeltaSender", "check_delta_plan", "encoder_floor"]
 
 SAMPLE_BYTES = 4 << 20
-"""Bytes a full round encodes on the side (of its first bucket that has them), to
-measure the encoder."""
+"""Bytes the encoder is measured on (and the least a raw bucket must hold for its
+time to measure the wire)."""
 RESAMPLE_EVERY = 8
-"""While deltas would not pay, the encoder is measured once in this many rounds."""
+"""While the copy is kept but deltas do not pay, the encoder is measured against
+it once in this many rounds (how much changed may have dropped)."""
 SLOWER_LIMIT = 0.9
 """A delta round is chosen only if its predicted time is below this fraction of a full one."""
 
@@ -54,7 +59,8 @@ class _Rates:
     encode: float | None = None
     """Of coding a bucket against the previous round's bytes."""
     floor: float | None = None
-    """Of coding a bucket that did not change (the least coding can cost)."""
+    """Of coding a bucket that did not change (the least coding can cost),
+    measured when the sender is made."""
     ratio: float = 0.1
     """Coded bytes per payload byte, last seen (a guess until a round measures it)."""
 
@@ -67,10 +73,11 @@ class DeltaSender:
     """What the trainer keeps between rounds to send deltas, and which round to send.
 
     `policy` `"auto"` sends a delta round only where measured rates say it pays,
-    and stops keeping the copy (a memcpy per round) while even a delta of nothing
-    would not pay (the encoder slower than the wire: a fast loopback); it keeps
-    the copy again, and so sends deltas again, once the rates say otherwise.
-    `"always"` sends every round it can as a delta.
+    and keeps the copy (a memcpy per round) only while a delta of nothing would
+    pay (the wire measured slower than the encoder's least cost): on a fast
+    loopback a round is then a plain one, and it starts keeping the copy, and so
+    sends deltas two rounds later, once the wire is measured slow. `"always"`
+    keeps the copy from the first round and sends every round it can as a delta.
     """
 
     def __init__(self, plan: TransferPlan, *, full_every: int = 0, policy: str = "auto") -> None:
@@ -103,11 +110,16 @@ class DeltaSender:
         self._sampled = False
         """Whether this round measured the encoder yet."""
         self._rounds = 0
+        self._raw_bytes = 0
+        self._raw_s = 0.0
+        if policy == "auto":
+            self._rates.floor = encoder_floor()
 
     @property
     def host_bytes(self) -> int:
-        """Host memory this side pays for delta rounds: one copy of the payload."""
-        return self.plan.total_bytes
+        """Host memory this side pays for delta rounds now: one copy of the payload
+        while it is kept, else nothing."""
+        return self._copy.numel() if self._copy is not None else 0
 
     def _base(self, bucket: Bucket) -> torch.Tensor:
         if self._copy is None:
@@ -122,10 +134,12 @@ class DeltaSender:
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
         self._held, self._touched, self._sampled = self.base_round, False, False
         self._prior = bool(self.base_round)
-        self.keeping = self.policy == "always" or not self._never_pays()
+        self.keeping = self.policy == "always" or self._worth_keeping()
+        if not self.keeping:
+            self._copy = None  # a copy not kept holds no round: give its memory back
         self._rounds += 1
-        # While not keeping the copy, the encoder is sampled only now and then.
-        self._sampled = not self.keeping and self._rounds % RESAMPLE_EVERY != 0
+        # The encoder is sampled against the copy now and then, only while it is kept.
+        self._sampled = not self._prior or not self.keeping or self._rounds % RESAMPLE_EVERY != 0
         self.round_delta = self._prior and self.keeping and not due and self._pays()
         self.base_round = 0  # the copy is being rewritten
         chosen = [self.round_delta and b == base for b in worker_bases]
@@ -140,12 +154,12 @@ class DeltaSender:
             return True  # nothing measured: try it, the round measures both
         return encode + rates.ratio * rates.wire < SLOWER_LIMIT * rates.wire
 
-    def _never_pays(self) -> bool:
-        """Whether even a bucket that did not change costs more to code than to send."""
+    def _worth_keeping(self) -> bool:
+        """Whether the wire is known to be slow enough for a delta of nothing to pay."""
         rates = self._rates
         if rates.wire is None or rates.floor is None:
             return False
-        return rates.floor >= SLOWER_LIMIT * rates.wire
+        return rates.floor < SLOWER_LIMIT * rates.wire
 
     def end(self, round_id: int) -> None:
         """Round `round_id` was sent completely: the copy is of it, if it was kept."""
@@ -169,34 +183,29 @@ class DeltaSender:
 
     @property
     def keeps_nothing(self) -> bool:
-        """Whether `keep` has nothing to do this round (the copy is not kept and the
-        encoder was measured): a full bucket then goes out with no thread hand-off."""
-        return not self.keeping and self._sampled
+        """Whether `keep` has nothing to do this round (the copy is not kept): a
+        full bucket then goes out as without deltas."""
+        return not self.keeping
 
     def keep(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> None:
         """Copy a bucket sent in full into the copy (while `keeping`), measuring the
-        encoder on a sample of the round's first large bucket (a thread's work)."""
+        encoder against the copy on a sample of the round's first large bucket, now
+        and then (a thread's work)."""
+        if not self.keeping:
+            return
         unit = self._units[bucket.index]
         head = min(SAMPLE_BYTES, segments[0].numel() if segments else 0) // unit * unit
         if head == SAMPLE_BYTES and not self._sampled:
-            # Once a round: against the previous round's bytes where the copy holds
-            # them (what coding would cost, and how much it would send), else against
-            # the same bytes (what coding costs at the least).
+            # What coding would cost against the previous round's bytes, and how much
+            # it would send.
             self._sampled = True
-            prior = self._prior and self.keeping
             new = segments[0][:head]
-            old = self._base(bucket)[:head].clone() if prior else new.clone()
+            old = self._base(bucket)[:head].clone()
             started = time.perf_counter()
             sample = encode([new], old, unit)
-            seconds = time.perf_counter() - started
             rates = self._rates
-            if prior:
-                rates.encode = rates.blend(rates.encode, seconds / head)
-                rates.ratio = sample.header.body_bytes / head
-            else:
-                rates.floor = rates.blend(rates.floor, seconds / head)
-        if not self.keeping:
-            return
+            rates.encode = rates.blend(rates.encode, (time.perf_counter() - started) / head)
+            rates.ratio = sample.header.body_bytes / head
         self._touched = True
         base = self._base(bucket)
         at = 0
@@ -205,6 +214,23 @@ class DeltaSender:
             at += segment.numel()
 
     def sent_raw(self, nbytes: int, seconds: float) -> None:
-        """A raw bucket of `nbytes` took `seconds` to reach every worker."""
-        if nbytes >= SAMPLE_BYTES and seconds > 0:
-            self._rates.wire = self._rates.blend(self._rates.wire, seconds / nbytes)
+        """A raw bucket of `nbytes` took `seconds` to reach every worker. Small buckets
+        add up until they hold `SAMPLE_BYTES`, so that their time measures the wire."""
+        self._raw_bytes += nbytes
+        self._raw_s += seconds
+        if self._raw_bytes >= SAMPLE_BYTES and self._raw_s > 0:
+            self._rates.wire = self._rates.blend(self._rates.wire, self._raw_s / self._raw_bytes)
+            self._raw_bytes, self._raw_s = 0, 0.0
+
+
+def encoder_floor(nbytes: int = SAMPLE_BYTES, tries: int = 2) -> float:
+    """Seconds per byte the encoder takes at the least (a bucket that did not change),
+    measured on `nbytes` of this process's own: the best of `tries`."""
+    new = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(tries):
+        old = new.clone()
+        started = time.perf_counter()
+        encode([new], old, 2)
+        best = min(best, time.perf_counter() - started)
+    return best / nbytes
