@@ -9,7 +9,7 @@ shadow copy: one bucket-sized host buffer per bucket that has such a slice
 
 Decoding runs on the applier's threads (`DeferredApplier.submit`'s `prepare`):
 the body is decompressed, the changed units are written into the live
-parameter or the shadow, and the SHA-256 of the resulting payload is checked
+parameter or the shadow, and the digest of the resulting payload is checked
 against the trainer's before the bucket counts as applied; a mismatch fails the
 round's `finish_weight_update`, so its version is not published. The worker then
 holds no round (READY says 0) and the trainer sends it a full round next.

@@ -39,7 +39,7 @@ _FRAME = struct.Struct("<4sB3sQII16sQ")
 _RESERVED = bytes(3)
 FRAME_SIZE = _FRAME.size
 ABORT_REASON_MAX = 4096
-DELTA_HEADER_BYTES = 56
+DELTA_HEADER_BYTES = 40
 """Length of the header that opens a DELTA frame's payload (`asyncwt._delta.codec`)."""
 DIGEST_PREFIX = 16
 
