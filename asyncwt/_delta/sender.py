@@ -9,20 +9,23 @@ copy itself is not of one completed round (the first round, or after an abort),
 and every `full_every` rounds.
 
 Whether a delta round pays is decided per round from rates: the wire's, measured
-from the raw buckets every round sends (free), against the encoder's. The
-encoder's least cost (coding a bucket that did not change) is measured once, when
-the sender is made, on bytes of its own; its cost on real changes is measured on
-the delta rounds it sends. The copy costs a memcpy of every byte per round, so
-it is kept only once the wire is known to be slow enough for a delta to pay:
-the first round keeps nothing, and on a link faster than the encoder (a
-loopback) no round ever does more than a plain one.
+from the raw buckets every round sends (free; the median of the last few rounds,
+so one slow round moves nothing), against the encoder's, measured once when the
+sender is made (on bytes of its own, with `CALIBRATION_CHANGED` of their values
+changed) and then on every delta round it sends. The copy costs a memcpy of every
+byte per round, so it is kept only where a delta is predicted to take at most
+`KEEP_LIMIT` of a full round (and kept on while it stays below `SLOWER_LIMIT`):
+the first round keeps nothing, and on a link faster than the encoder (a loopback)
+a round does no more than a plain one.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +33,7 @@ from .._core.bytes import empty_bytes
 from .._core.plan import Bucket, TransferPlan
 from .codec import Encoded, encode, unit_of
 
-__all__ = ["DeltaSender", "check_delta_plan", "encoder_floor"]
+__all__ = ["DeltaSender", "check_delta_plan", "encoder_rate"]
 
 SAMPLE_BYTES = 4 << 20
 """Bytes the encoder is measured on (and the least a raw bucket must hold for its
@@ -40,6 +43,15 @@ RESAMPLE_EVERY = 8
 it once in this many rounds (how much changed may have dropped)."""
 SLOWER_LIMIT = 0.9
 """A delta round is chosen only if its predicted time is below this fraction of a full one."""
+KEEP_LIMIT = 0.5
+"""The copy starts being kept only where a delta round is predicted below this
+fraction of a full one: a margin, so that a round slowed by the machine does not
+start a copy that the next rounds drop again."""
+WIRE_ROUNDS = 5
+"""Rounds whose wire rates the policy takes the median of."""
+CALIBRATION_CHANGED = 0.02
+"""Fraction of bf16 values changed in the bytes the encoder is first measured on
+(an RL step at a small learning rate changes about that many)."""
 
 
 def check_delta_plan(plan: TransferPlan) -> None:
@@ -55,14 +67,23 @@ def check_delta_plan(plan: TransferPlan) -> None:
 class _Rates:
     """Seconds per payload byte, measured; `None` until seen."""
 
-    wire: float | None = None
+    wires: deque[float] = field(default_factory=lambda: deque(maxlen=WIRE_ROUNDS))
+    """Of the wire, per recent round."""
     encode: float | None = None
     """Of coding a bucket against the previous round's bytes."""
-    floor: float | None = None
-    """Of coding a bucket that did not change (the least coding can cost),
-    measured when the sender is made."""
     ratio: float = 0.1
     """Coded bytes per payload byte, last seen (a guess until a round measures it)."""
+
+    @property
+    def wire(self) -> float | None:
+        return statistics.median(self.wires) if self.wires else None
+
+    def delta_share(self) -> float | None:
+        """A delta round's predicted time over a full one's (`None`: not measured)."""
+        wire = self.wire
+        if wire is None or self.encode is None:
+            return None
+        return (self.encode + self.ratio * wire) / wire
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
@@ -113,7 +134,7 @@ class DeltaSender:
         self._raw_bytes = 0
         self._raw_s = 0.0
         if policy == "auto":
-            self._rates.floor = encoder_floor()
+            self._rates.encode = encoder_rate()
 
     @property
     def host_bytes(self) -> int:
@@ -148,27 +169,29 @@ class DeltaSender:
         return chosen
 
     def _pays(self) -> bool:
-        rates = self._rates
-        encode = rates.encode if rates.encode is not None else rates.floor
-        if self.policy == "always" or rates.wire is None or encode is None:
-            return True  # nothing measured: try it, the round measures both
-        return encode + rates.ratio * rates.wire < SLOWER_LIMIT * rates.wire
+        if self.policy == "always":
+            return True
+        share = self._rates.delta_share()
+        return share is None or share < SLOWER_LIMIT  # nothing measured: try it
 
     def _worth_keeping(self) -> bool:
-        """Whether the wire is known to be slow enough for a delta of nothing to pay."""
-        rates = self._rates
-        if rates.wire is None or rates.floor is None:
+        """Whether the wire is known to be slow enough for deltas to pay: by a margin
+        to start keeping the copy, by any to go on."""
+        share = self._rates.delta_share()
+        if share is None:
             return False
-        return rates.floor < SLOWER_LIMIT * rates.wire
+        return share < (SLOWER_LIMIT if self._copy is not None else KEEP_LIMIT)
 
     def end(self, round_id: int) -> None:
         """Round `round_id` was sent completely: the copy is of it, if it was kept."""
         self.base_round = round_id if self.keeping else 0
+        self._close_wire()
 
     def abort(self) -> None:
         """The round was not sent completely: once a bucket of it reached the copy, the
         copy is a mix and the next round is full; before that it still holds its round."""
         self.base_round = 0 if self._touched else self._held
+        self._close_wire()
 
     def encode(self, bucket: Bucket, segments: Sequence[torch.Tensor]) -> Encoded:
         """Code `bucket`'s new payload against the copy, then update the copy (a thread's work)."""
@@ -214,23 +237,34 @@ class DeltaSender:
             at += segment.numel()
 
     def sent_raw(self, nbytes: int, seconds: float) -> None:
-        """A raw bucket of `nbytes` took `seconds` to reach every worker. Small buckets
-        add up until they hold `SAMPLE_BYTES`, so that their time measures the wire."""
+        """A raw bucket of `nbytes` took `seconds` to reach every worker. A round's
+        raw buckets add up into one rate once they hold `SAMPLE_BYTES`."""
         self._raw_bytes += nbytes
         self._raw_s += seconds
+
+    def _close_wire(self) -> None:
+        """The round's raw buckets are one more wire rate, if they were enough bytes."""
         if self._raw_bytes >= SAMPLE_BYTES and self._raw_s > 0:
-            self._rates.wire = self._rates.blend(self._rates.wire, self._raw_s / self._raw_bytes)
-            self._raw_bytes, self._raw_s = 0, 0.0
+            self._rates.wires.append(self._raw_s / self._raw_bytes)
+        self._raw_bytes, self._raw_s = 0, 0.0
 
 
-def encoder_floor(nbytes: int = SAMPLE_BYTES, tries: int = 2) -> float:
-    """Seconds per byte the encoder takes at the least (a bucket that did not change),
-    measured on `nbytes` of this process's own: the best of `tries`."""
-    new = torch.zeros(nbytes, dtype=torch.uint8)
+def encoder_rate(nbytes: int = SAMPLE_BYTES, tries: int = 3) -> float:
+    """Seconds per byte the encoder takes on `nbytes` of bf16 values of its own with
+    `CALIBRATION_CHANGED` of them changed: the best of `tries` (a machine's
+    hiccups only ever slow it down)."""
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(nbytes // 2, generator=generator).to(torch.bfloat16)
+    new = old.clone()
+    changed = torch.randperm(new.numel(), generator=generator)[
+        : int(new.numel() * CALIBRATION_CHANGED)
+    ]
+    new[changed] = new[changed] * 1.01 + 0.01
+    payload = new.view(torch.uint8)
     best = float("inf")
     for _ in range(tries):
-        old = new.clone()
+        base = old.view(torch.uint8).clone()
         started = time.perf_counter()
-        encode([new], old, 2)
+        encode([payload], base, 2)
         best = min(best, time.perf_counter() - started)
     return best / nbytes

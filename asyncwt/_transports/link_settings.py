@@ -64,11 +64,12 @@ class LinkedTrainerInfo(PipelineSettings):
     delta_full_every: int = 0
     """With `delta`: send a full round every this many rounds (0: only when needed)."""
     delta_policy: str = "auto"
-    """With `delta`: `"auto"` keeps the host copy only once the wire is measured
-    slower than the encoder (so a fast local link gets plain full rounds and no
-    copy; the first round keeps nothing) and sends a delta round only where the
-    rates say it is faster than a full one; `"always"` keeps the copy from the
-    first round and sends every round it can as a delta."""
+    """With `delta`: `"auto"` keeps the host copy only once the measured wire and
+    encoder predict a delta round at most half a full one (so a fast local link
+    gets plain full rounds and no copy; the first round keeps nothing) and sends
+    a delta round only where the rates say it is faster than a full one;
+    `"always"` keeps the copy from the first round and sends every round it can
+    as a delta."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
