@@ -1,0 +1,144 @@
+"""Delta rounds over `"shm"` (`delta=True`), across real processes.
+
+A coded bucket goes inline on the link as a DELTA frame; a bucket that codes raw,
+and every bucket of a full round, goes the shm way (the worker reads it from the
+trainer's memory, or from the ring with `direct_reads=False`). As for tcp, two
+workers serve every case: one whose base is its live weights, one with a
+transform (its base a shadow copy); every round is checked bit-exact on both.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+
+import _models
+import pytest
+from _faults import (
+    assert_worker_has,
+    info_for,
+    shm_leftovers,
+    worker_env,
+)
+from test_delta import (
+    both_workers,
+    cancelled_rounds,
+    delta_trajectory,
+    digest_failure_then_full,
+    is_delta,
+    nudge,
+    uvloop_only,
+)
+
+from asyncwt import (
+    HttpClient,
+    ModuleSource,
+    ShmTrainerInitInfo,
+    trainer_init,
+)
+from asyncwt._cli.launch import worker_process
+from asyncwt._transports.shm.backend import ShmSender
+
+SEED = 20261203
+
+Workers = list[tuple[subprocess.Popen[bytes], str]]
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    yield from both_workers("shm")
+    assert not shm_leftovers()
+
+
+def shm_delta_info(**kwargs: object) -> ShmTrainerInitInfo:
+    kwargs.setdefault("delta_policy", "always")  # every round that can be a delta is one
+    info = info_for("shm", delta=True, **kwargs)
+    assert isinstance(info, ShmTrainerInitInfo)
+    return info
+
+
+def _sender(engine: object) -> ShmSender:
+    sender = engine.transport  # type: ignore[attr-defined]
+    assert isinstance(sender, ShmSender)
+    return sender
+
+
+@uvloop_only
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
+async def test_shm_delta_rounds_are_bit_exact_and_small(
+    workers: Workers, direct_reads: bool
+) -> None:
+    info = shm_delta_info(delta_full_every=4, direct_reads=direct_reads)
+    sender = await delta_trajectory([url for _, url in workers], info)
+    assert isinstance(sender, ShmSender)
+    assert [p.reads_directly for p in sender.links.peers] == [direct_reads] * 2
+
+
+@uvloop_only
+async def test_shm_auto_policy_rounds_are_bit_exact(workers: Workers) -> None:
+    """On one host the encoder is slower than a memcpy: auto may send full rounds,
+    and whatever it chooses, every round is bit-exact."""
+    urls = [url for _, url in workers]
+    async with HttpClient(urls) as client:
+        model = _models.mixed()
+        _models.randomize(model, seed=2)
+        info = shm_delta_info(delta_policy="auto")
+        engine = await trainer_init(info, client=client, source=ModuleSource(model))
+        async with engine:
+            for i in range(4):
+                nudge(model, seed=20 + i, fraction=0.01)
+                stats = await engine.send_weights(weight_version=f"auto-{i}")
+                assert 0 < stats.wire_bytes <= stats.bytes
+                await assert_worker_has(client, model, f"auto-{i}")
+
+
+@uvloop_only
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
+async def test_a_shm_worker_whose_base_differs_fails_the_digest_then_gets_a_full_round(
+    workers: Workers, direct_reads: bool
+) -> None:
+    info = shm_delta_info(direct_reads=direct_reads)
+    await digest_failure_then_full([url for _, url in workers], info)
+
+
+@uvloop_only
+async def test_shm_deltas_to_a_direct_reader_and_a_ring_reader() -> None:
+    """A round with both kinds of worker packs every bucket into the ring: a coded
+    bucket still goes inline to both, a raw one through the ring slot."""
+    args = ("--backend", "shm", "--transform", "_models:identity_transform")
+    with (
+        worker_process("_models:mixed", *args, env=worker_env()) as direct_url,
+        worker_process("_models:mixed_reading_the_ring", *args, env=worker_env()) as ring_url,
+    ):
+        async with HttpClient([direct_url, ring_url]) as client:
+            model = _models.mixed()
+            _models.randomize(model, seed=7)
+            info = shm_delta_info(workers=2)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                kinds = []
+                for i in range(4):
+                    nudge(model, seed=70 + i, fraction=0.9 if i == 2 else 0.01)
+                    stats = await engine.send_weights(weight_version=f"m{i}")
+                    await assert_worker_has(client, model, f"m{i}")
+                    kinds.append(is_delta(stats))
+                sender = _sender(engine)
+                assert not sender.direct
+                assert sorted(p.reads_directly for p in sender.links.peers) == [False, True]
+                assert kinds == [False, True, False, True]
+    assert not shm_leftovers()
+
+
+CANCELS = 6
+
+
+@uvloop_only
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
+async def test_a_shm_delta_round_cancelled_at_seeded_points_leaves_the_previous_version(
+    workers: Workers, direct_reads: bool
+) -> None:
+    info = shm_delta_info(direct_reads=direct_reads)
+    urls = [url for _, url in workers]
+    kinds = await cancelled_rounds(urls, info, SEED + direct_reads, CANCELS)
+    print(f"rounds after a cancel that went as deltas: {kinds}")
+    assert not shm_leftovers()
