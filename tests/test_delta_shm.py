@@ -32,8 +32,12 @@ from test_delta import (
 
 from asyncwt import (
     HttpClient,
+    LocalClient,
     ModuleSource,
     ShmTrainerInitInfo,
+    WeightTransferConfig,
+    create_worker_engine,
+    model_checksum,
     trainer_init,
 )
 from asyncwt._cli.launch import worker_process
@@ -142,3 +146,31 @@ async def test_a_shm_delta_round_cancelled_at_seeded_points_leaves_the_previous_
     kinds = await cancelled_rounds(urls, info, SEED + direct_reads, CANCELS)
     print(f"rounds after a cancel that went as deltas: {kinds}")
     assert not shm_leftovers()
+
+
+@uvloop_only
+async def test_a_ring_worker_keeps_its_base_in_its_parameters_where_they_hold_the_wire_bytes() -> (
+    None
+):
+    """The ring lands nothing in place, yet a host parameter of the wire dtype holds the
+    bytes once applied: only the rest is shadowed, and rounds stay bit-exact."""
+    worker = create_worker_engine(WeightTransferConfig(backend="shm"), model=_models.mixed())
+    model = _models.mixed()
+    _models.randomize(model, seed=13)
+    info = shm_delta_info(direct_reads=False)
+    engine = await trainer_init(info, client=LocalClient([worker]), source=ModuleSource(model))
+    try:
+        kinds = []
+        for i in range(3):
+            nudge(model, seed=130 + i, fraction=0.01)
+            kinds.append(is_delta(await engine.send_weights(weight_version=f"r{i}")))
+            assert model_checksum(worker.model) == model_checksum(model)
+        assert kinds == [False, True, True]
+        assert not worker.receiver.reads_directly
+        # Only bucket 0 holds a parameter the model does not keep as wire bytes (a
+        # non-contiguous one): the big parameter's buckets need no shadow.
+        assert worker._delta.shadow_bytes == engine.plan.buckets[0].buffer_bytes
+        assert worker._delta.shadow_bytes < engine.plan.total_bytes / 10
+    finally:
+        await engine.shutdown()
+        worker.shutdown()
