@@ -9,12 +9,17 @@ transform (its base a shadow copy); every round is checked bit-exact on both.
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 from collections.abc import Iterator
 
 import _models
+import anyio
 import pytest
+import torch
 from _faults import (
+    FaultySource,
     assert_worker_has,
     info_for,
     shm_leftovers,
@@ -31,6 +36,7 @@ from test_delta import (
 )
 
 from asyncwt import (
+    AsyncwtError,
     HttpClient,
     LocalClient,
     ModuleSource,
@@ -41,6 +47,7 @@ from asyncwt import (
     trainer_init,
 )
 from asyncwt._cli.launch import worker_process
+from asyncwt._transports.link import Peer
 from asyncwt._transports.shm.backend import ShmSender
 
 SEED = 20261203
@@ -130,6 +137,66 @@ async def test_shm_deltas_to_a_direct_reader_and_a_ring_reader() -> None:
                 assert not sender.direct
                 assert sorted(p.reads_directly for p in sender.links.peers) == [False, True]
                 assert kinds == [False, True, False, True]
+    assert not shm_leftovers()
+
+
+class CuttingSource(FaultySource):
+    """`FaultySource` that cuts one worker's link (both ways) as it yields `cut_at`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.cut_at: str | None = None
+        self.victim: Peer | None = None
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().iter_full():
+            if name == self.cut_at and self.victim is not None:
+                self.victim.sock.shutdown(socket.SHUT_RDWR)
+            yield name, tensor
+
+
+CUTS = 4
+
+
+@uvloop_only
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
+async def test_a_shm_delta_round_cut_at_seeded_points_publishes_nothing_and_recovers(
+    workers: Workers, direct_reads: bool
+) -> None:
+    rng = random.Random(SEED + 2 + direct_reads)
+    urls = [url for _, url in workers]
+    model = _models.mixed()
+    names = [name for name, _ in model.named_parameters()]
+    source = CuttingSource(model)
+    async with HttpClient(urls) as client:
+        for i in range(CUTS):
+            info = shm_delta_info(direct_reads=direct_reads)
+            engine = await trainer_init(info, client=client, source=source)
+            async with engine:
+                _models.randomize(model, seed=100 + i)
+                await engine.send_weights(weight_version=f"full-{i}")
+                nudge(model, seed=200 + i, fraction=0.01)
+                assert is_delta(await engine.send_weights(weight_version=f"good-{i}"))
+                await assert_worker_has(client, model, f"good-{i}")
+                source.cut_at = rng.choice(names)
+                source.victim = rng.choice(_sender(engine).links.peers)
+                nudge(model, seed=300 + i, fraction=0.01)
+                try:
+                    with anyio.fail_after(15), pytest.raises(AsyncwtError):
+                        await engine.send_weights(weight_version=f"cut-{i}")
+                finally:
+                    source.cut_at = source.victim = None
+                for status in await client.weights_status():
+                    assert status["weight_version"] == f"good-{i}"
+            # A new init (a link broke): its first round is full and bit-exact.
+            engine = await trainer_init(info, client=client, source=source)
+            async with engine:
+                stats = await engine.send_weights(weight_version=f"after-{i}")
+                assert stats.wire_bytes == stats.bytes
+                await assert_worker_has(client, model, f"after-{i}")
+                nudge(model, seed=400 + i, fraction=0.01)
+                assert is_delta(await engine.send_weights(weight_version=f"next-{i}"))
+                await assert_worker_has(client, model, f"next-{i}")
     assert not shm_leftovers()
 
 
