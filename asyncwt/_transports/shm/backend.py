@@ -25,7 +25,10 @@ directly then reads the ring slot).
 With `delta=True` (see `asyncwt._delta.links`), a bucket coded smaller than its
 payload goes to each worker that gets a delta as a DELTA frame inline on its link:
 no addresses lent, no ring slot announced. A bucket that codes raw, and every
-bucket of a full round, goes the way above.
+bucket of a full round, goes the way above. The rate `delta_policy="auto"` weighs
+the encoder against is a direct read's (lent until read back); a ring bucket is
+packed before it is sent either way and its announce costs next to nothing, so
+over the ring auto sends full rounds once it has measured the encoder.
 """
 
 from __future__ import annotations
