@@ -40,8 +40,8 @@ from asyncwt import (
     LocalClient,
     ModuleSource,
     RoundStats,
-    ShmTrainerInitInfo,
     TcpTrainerInitInfo,
+    TorchDistTrainerInitInfo,
     WeightTransferConfig,
     create_worker_engine,
     model_checksum,
@@ -61,6 +61,7 @@ from asyncwt._delta.codec import (
     encode,
 )
 from asyncwt._delta.sender import DeltaSender
+from asyncwt._trainer.base import TrainerInitInfo
 from asyncwt._transports.wire import FRAME_SIZE
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -245,19 +246,24 @@ def test_auto_policy_keeps_a_copy_and_sends_deltas_only_once_the_wire_is_slow() 
 # -- across processes -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
-    """A plain worker (base: its live weights) and one with a transform (base: a shadow)."""
+def both_workers(backend: str) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """A plain `backend` worker (base: its live weights) and one with a transform
+    (base: a shadow), as processes, until the generator closes."""
     started = []
     try:
         for extra in ([], ["--transform", "_models:identity_transform"]):
             started.append(
-                start_worker("_models:mixed", "--backend", "tcp", *extra, env=worker_env())
+                start_worker("_models:mixed", "--backend", backend, *extra, env=worker_env())
             )
         yield started
     finally:
         for proc, _ in started:
             stop_worker(proc)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    yield from both_workers("tcp")
 
 
 def nudge(model: torch.nn.Module, seed: int, fraction: float) -> None:
@@ -286,11 +292,15 @@ def is_delta(stats: RoundStats) -> bool:
 async def test_delta_rounds_are_bit_exact_and_small_on_both_kinds_of_worker(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
-    urls = [url for _, url in workers]
+    await delta_trajectory([url for _, url in workers], delta_info(delta_full_every=4))
+
+
+async def delta_trajectory(urls: list[str], info: TrainerInitInfo) -> Any:
+    """Nine rounds with `delta_full_every=4` in `info`, each bit-exact on every worker,
+    each a delta where it can be; returns the engine's transport."""
     async with HttpClient(urls) as client:
         model = _models.mixed()
         _models.randomize(model, seed=1)
-        info = delta_info(delta_full_every=4)
         engine = await trainer_init(info, client=client, source=ModuleSource(model))
         async with engine:
             kinds = []
@@ -303,22 +313,27 @@ async def test_delta_rounds_are_bit_exact_and_small_on_both_kinds_of_worker(
                 assert 0 < stats.wire_bytes <= stats.bytes + 64 * len(engine.plan.buckets)
             # 0: no base yet; 4 and 8: delta_full_every; 5: most units changed (raw)
             assert kinds == [False, True, True, True, False, False, True, True, False]
+            return engine.transport
 
 
 @uvloop_only
 async def test_a_worker_whose_base_differs_fails_the_digest_then_gets_a_full_round(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
-    urls = [url for _, url in workers]
+    await digest_failure_then_full([url for _, url in workers], delta_info())
+
+
+async def digest_failure_then_full(urls: list[str], info: TrainerInitInfo) -> None:
+    """The trainer's copy of bucket 0 is made to claim the workers hold the new bytes
+    already: it sends no change there, their rebuilt bucket differs, the round is not
+    published, and the next round is full and bit-exact, the one after a delta."""
     async with HttpClient(urls) as client:
         model = _models.mixed()
         _models.randomize(model, seed=2)
-        engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+        engine = await trainer_init(info, client=client, source=ModuleSource(model))
         async with engine:
             await engine.send_weights(weight_version="v0")
             nudge(model, seed=3, fraction=0.01)
-            # The trainer's copy of bucket 0 claims the workers hold the new bytes
-            # already: it sends no change there, and their rebuilt bucket differs.
             params = dict(model.named_parameters())
             bucket = engine.plan.buckets[0]
             new = torch.cat(
@@ -416,19 +431,29 @@ CANCELS = 10
 async def test_a_delta_round_cancelled_at_seeded_points_leaves_the_previous_version(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
-    rng = random.Random(SEED + 1)
-    urls = [url for _, url in workers]
+    kinds = await cancelled_rounds([url for _, url in workers], delta_info(), SEED + 1, CANCELS)
+    print(f"rounds after a cancel that went as deltas: {kinds}")
+
+
+async def cancelled_rounds(
+    urls: list[str], info: TrainerInitInfo, seed: int, cancels: int
+) -> list[bool]:
+    """Cancel `cancels` delta rounds at seeded points: each leaves every worker on the
+    previous version (or, finished after all, on its own), and the next round is
+    bit-exact and leaks no thread, task or descriptor. Whether each next round went
+    as a delta, in order."""
+    rng = random.Random(seed)
     delay = 0.03  # per parameter: a round of ~0.25 s
     async with HttpClient(urls) as client:
         model = _models.mixed()
         _models.randomize(model, seed=9)
         source = FaultySource(model)
-        engine = await trainer_init(delta_info(), client=client, source=source)
+        engine = await trainer_init(info, client=client, source=source)
         async with engine:
             await engine.send_weights(weight_version="v0")
             fds, tasks = open_fds(), asyncio.all_tasks()
             kinds = []
-            for i in range(1, CANCELS + 1):
+            for i in range(1, cancels + 1):
                 good = model_checksum(model)
                 source.delay = delay
                 nudge(model, seed=400 + i, fraction=0.01)
@@ -448,19 +473,23 @@ async def test_a_delta_round_cancelled_at_seeded_points_leaves_the_previous_vers
                 wait_until(lambda: not threads_in_asyncwt(), 10, "asyncwt threads to finish")
                 assert asyncio.all_tasks() == tasks
                 assert open_fds() <= fds + 1
-            print(f"rounds after a cancel that went as deltas: {kinds}")
+            return kinds
 
 
-def _worker() -> Any:
-    return create_worker_engine(WeightTransferConfig(backend="tcp"), model=_models.mixed())
+def _worker(backend: str = "tcp") -> Any:
+    return create_worker_engine(WeightTransferConfig(backend=backend), model=_models.mixed())
 
 
 @pytest.mark.asyncio
 async def test_backends_without_delta_rounds_refuse_delta() -> None:
     worker = _worker()
-    info = ShmTrainerInitInfo(rank=0, delta=True)
+    info = TorchDistTrainerInitInfo(rank=0, num_workers=1, delta=True)
     try:
-        with pytest.raises(ValueError, match=r"^delta should be False for the shm backend"):
+        with pytest.raises(
+            ValueError,
+            match=r"^delta should be False for the torch_dist backend \(delta rounds run on "
+            r"tcp and shm\), got True$",
+        ):
             await trainer_init(
                 info, client=LocalClient([worker]), source=ModuleSource(_models.mixed())
             )
@@ -469,12 +498,14 @@ async def test_backends_without_delta_rounds_refuse_delta() -> None:
 
 
 @pytest.mark.asyncio
-async def test_only_the_worker_that_lost_its_base_gets_a_full_round() -> None:
-    workers = [_worker(), _worker()]
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_only_the_worker_that_lost_its_base_gets_a_full_round(backend: str) -> None:
+    workers = [_worker(backend), _worker(backend)]
     model = _models.mixed()
     _models.randomize(model, seed=11)
     client = LocalClient(workers)
-    engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+    info = info_for(backend, delta=True, delta_policy="always")
+    engine = await trainer_init(info, client=client, source=ModuleSource(model))
     try:
         await engine.send_weights(weight_version="v0")
         nudge(model, seed=12, fraction=0.01)

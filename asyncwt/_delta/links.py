@@ -1,18 +1,21 @@
 """Delta rounds over the link: which worker gets which frame, and what went on the wire.
 
-A sender that streams buckets over the link (`"tcp"`) hands each bucket here when
-`delta=True`. A worker that holds the copy's round gets a DELTA frame (the
-bucket coded by `DeltaSender`, with its digest); any other worker gets the plain
-bucket frame the sender would send without deltas, so it lands in place as in a
-full round. The copy is updated in both cases (in a thread, while the frames go
-out when nothing is coded).
+A sender whose workers are linked to it (`"tcp"`, `"shm"`) hands each bucket here
+when `delta=True`, with its own way to send the bucket in full to some workers
+(`Plain`: a BUCKET frame on the socket for tcp; a ring slot or the bucket's
+addresses for shm). A worker that holds the copy's round gets a DELTA frame
+inline on its link (the bucket coded by `DeltaSender`, with its digest) where the
+coding is smaller than the payload; any other worker, and every worker when the
+bucket codes `RAW`, gets the bucket the plain way, so it lands exactly as in a
+full round. The copy is updated in both cases (in a thread, while the bucket goes
+out when nothing is coded and the sender allows it).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -20,12 +23,20 @@ import anyio.to_thread
 from .._core.bytes import byte_view
 from .._core.concurrency import single_error
 from .._core.plan import Bucket, TransferPlan
-from .._transports.base import Segment
+from .._transports.base import Segment, Settle
 from .._transports.link import Peer, TrainerLinks
 from .._transports.wire import FrameKind
+from .codec import Encoding
 from .sender import DeltaSender
 
-__all__ = ["DeltaLinks"]
+if TYPE_CHECKING:
+    from .._transports.link_settings import LinkedTrainerInfo
+
+__all__ = ["DeltaLinks", "Plain"]
+
+Plain = Callable[[list[Peer]], Awaitable[Settle | None]]
+"""Send the bucket in full to these workers, the backend's usual way; may leave it
+in flight (a `Settle`, see `SenderTransport.send_bucket`)."""
 
 
 class DeltaLinks:
@@ -46,6 +57,15 @@ class DeltaLinks:
         self.round_encode_s = 0.0
         """Seconds the last round spent coding buckets (before each went out)."""
 
+    @classmethod
+    def of(
+        cls, links: TrainerLinks, plan: TransferPlan, info: LinkedTrainerInfo
+    ) -> DeltaLinks | None:
+        """Delta rounds over `links` as `info` asks for them (None without `delta`)."""
+        if not info.delta:
+            return None
+        return cls(links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
+
     def begin_round(self, round_id: int) -> None:
         """Choose, from every worker's READY, who gets deltas this round."""
         peers = self.links.peers
@@ -55,52 +75,95 @@ class DeltaLinks:
         self._wire = 0
         self.round_encode_s = 0.0
 
-    async def send_bucket(self, bucket: Bucket, segments: Sequence[Segment]) -> None:
-        """Send `bucket` to every worker, coded to those that hold the copy's round."""
+    async def send_bucket(
+        self,
+        bucket: Bucket,
+        segments: Sequence[Segment],
+        plain: Plain | None = None,
+        *,
+        keep_beside: bool = True,
+    ) -> Settle | None:
+        """Send `bucket` to every worker, coded to those that hold the copy's round.
+
+        `plain` sends it in full (default: a BUCKET frame on each link). With
+        `keep_beside=False` the copy is updated before the plain send starts, not
+        beside it: for a sender whose `segments` may be rewritten as soon as the
+        workers have them (a ring slot they release).
+        """
+        send = plain if plain is not None else self._send_frames(bucket, segments)
         links = self.links
-        views = [byte_view(s) for s in segments]
-        raw = links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
-        raw_frame = [memoryview(raw.pack()), *views]
-        what = f"bucket {bucket.index}"
         state = self.state
         if self._deltas:
             started = time.perf_counter()
             coded = await anyio.to_thread.run_sync(state.encode, bucket, segments)
             self.round_encode_s += time.perf_counter() - started
             header = coded.header
-            body = (
-                [byte_view(s) for s in coded.body]
-                if isinstance(coded.body, list)
-                else [memoryview(coded.body)]
-            )
-            nbytes = len(header.pack()) + header.body_bytes
-            frame = links.frame(FrameKind.DELTA, index=bucket.index, nbytes=nbytes)
-            delta_frame = [memoryview(frame.pack()), memoryview(header.pack()), *body]
-            started = time.perf_counter()
-            with single_error():
-                async with anyio.create_task_group() as tg:
-                    if self._fulls:
-                        tg.start_soon(
-                            functools.partial(
-                                links.each, links.send_frame, raw_frame, what, among=self._fulls
-                            )
-                        )
-                    await links.each(links.send_frame, delta_frame, what, among=self._deltas)
-            if isinstance(coded.body, list):
-                state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
-            self._wire += nbytes * len(self._deltas) + bucket.payload_bytes * len(self._fulls)
-            return
-        started = time.perf_counter()
-        if state.keeps_nothing:  # a full round that keeps no copy: as without deltas
-            await links.each(links.send_frame, raw_frame, what)
-            state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
-        else:
-            with single_error():
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(anyio.to_thread.run_sync, state.keep, bucket, segments)
-                    await links.each(links.send_frame, raw_frame, what)
-                    state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
+            if header.encoding != Encoding.RAW:
+                assert isinstance(coded.body, bytes)
+                nbytes = len(header.pack()) + header.body_bytes
+                frame = links.frame(FrameKind.DELTA, index=bucket.index, nbytes=nbytes)
+                delta_frame = [
+                    memoryview(frame.pack()),
+                    memoryview(header.pack()),
+                    memoryview(coded.body),
+                ]
+                settled: list[Settle | None] = [None]
+
+                async def to_fulls() -> None:
+                    settled[0] = await send(self._fulls)
+
+                what = f"bucket {bucket.index}"
+                with single_error():
+                    async with anyio.create_task_group() as tg:
+                        if self._fulls:
+                            tg.start_soon(to_fulls)
+                        await links.each(links.send_frame, delta_frame, what, among=self._deltas)
+                self._wire += nbytes * len(self._deltas) + bucket.payload_bytes * len(self._fulls)
+                return settled[0]
+        elif not state.keeps_nothing:
+            if not keep_beside:
+                await anyio.to_thread.run_sync(state.keep, bucket, segments)
+            else:
+                with single_error():
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(anyio.to_thread.run_sync, state.keep, bucket, segments)
+                        settle = await self._timed(send, bucket)
+                self._wire += bucket.payload_bytes * len(links.peers)
+                return settle
+        # Every worker gets it in full: a full round that keeps no copy (as without
+        # deltas), a bucket that coded RAW, or a copy already kept.
+        settle = await self._timed(send, bucket)
         self._wire += bucket.payload_bytes * len(links.peers)
+        return settle
+
+    def _send_frames(self, bucket: Bucket, segments: Sequence[Segment]) -> Plain:
+        """The plain send of a bucket over the links: a BUCKET frame with its bytes."""
+        links = self.links
+        header = links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
+        frame = [memoryview(header.pack()), *map(byte_view, segments)]
+
+        async def send(peers: list[Peer]) -> Settle | None:
+            await links.each(links.send_frame, frame, f"bucket {bucket.index}", among=peers)
+            return None
+
+        return send
+
+    async def _timed(self, send: Plain, bucket: Bucket) -> Settle | None:
+        """`send` to every worker, measuring the wire's rate from how long the bucket
+        took to reach them all (until it settles, when it is left in flight)."""
+        state = self.state
+        started = time.perf_counter()
+        settle = await send(self.links.peers)
+        if settle is None:
+            state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
+            return None
+        left = settle
+
+        async def timed() -> None:
+            await left()
+            state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
+
+        return timed
 
     def end_round(self, round_id: int) -> None:
         """Every bucket went out: the copy is of `round_id`."""

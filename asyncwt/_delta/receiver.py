@@ -3,7 +3,9 @@
 A coded bucket is rebuilt from the bytes of the previous version. Where the model
 holds a parameter's wire bytes as they are (`ModelTarget.direct` with no
 transform: a CPU parameter of the wire dtype, or a staged copy of one), those
-bytes are the parameter itself and cost nothing. Every other slice is kept in a
+bytes are the parameter itself and cost nothing (behind a ring, which lands nothing
+in place, a plain bucket's bytes are copied into such a parameter here rather than
+by the applier, the same one copy). Every other slice is kept in a
 shadow copy: one bucket-sized host buffer per bucket that has such a slice
 (`shadow_bytes`), filled by every round, full or delta.
 
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._core.bytes import byte_view
+from .._core.meta import ParamMeta
 from .._core.plan import Bucket, Slice, TransferPlan
 from .._transports.base import LandingTarget, ReceivedBucket
 from .._transports.sockio import recv_exact, recv_segments
@@ -86,15 +89,28 @@ class WorkerDelta:
         self._shadow: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._units = [unit_of(b) for b in plan.buckets]
+        self._fill: tuple[bool, ...] = (False,) * len(plan.params)
+        """Per parameter: whether it keeps the wire bytes though a plain bucket does
+        not land in it (a ring slot's receiver): this side copies it in then."""
 
     def adapt(self, target: ModelTarget) -> ModelTarget:
-        """`target` with direct landing only where the parameter keeps the wire bytes
-        (no transform rewrites them in place): those are the base, the rest is shadowed.
-        A new target forgets the base."""
+        """`target` with direct landing exactly where the parameter keeps the wire
+        bytes: those are the base, the rest is shadowed. A transform rewrites them
+        (nothing is kept); a receiver that lands nothing in place (a ring) still
+        leaves them in a host parameter of the wire dtype, so those count as direct
+        and a plain bucket's bytes are copied into them here (`prepare`), not by the
+        applier. A new target forgets the base."""
         self.base_round = 0
-        if target.transform is None:
-            return target
-        return dataclasses.replace(target, direct=(False,) * len(target.direct))
+        count = len(target.direct)
+        if target.transform is not None:
+            self._fill = (False,) * count
+            return dataclasses.replace(target, direct=(False,) * count)
+        holds = tuple(
+            direct or _keeps_wire_bytes(target, meta)
+            for direct, meta in zip(target.direct, self.plan.params)
+        )
+        self._fill = tuple(h and not d for h, d in zip(holds, target.direct))
+        return dataclasses.replace(target, direct=holds) if any(self._fill) else target
 
     @property
     def shadow_bytes(self) -> int:
@@ -121,7 +137,7 @@ class WorkerDelta:
         header = received.coded
         assert header is None or isinstance(header, DeltaHeader)
         kept = [target.direct[s.param] for s in bucket.slices]
-        if header is None and all(kept):
+        if header is None and all(kept) and not any(self._fill[s.param] for s in bucket.slices):
             return None
 
         def run() -> torch.Tensor | None:
@@ -162,7 +178,8 @@ class WorkerDelta:
         if header is None or header.encoding == Encoding.RAW:
             assert buffer is not None or all(kept)
             for s, k, destination in zip(bucket.slices, kept, destinations):
-                if not k and buffer is not None:
+                landed = k and (header is not None or not self._fill[s.param])
+                if not landed and buffer is not None:
                     destination.copy_(buffer[s.offset : s.offset + s.nbytes])
         else:
             assert buffer is not None
@@ -179,3 +196,16 @@ class WorkerDelta:
                 f"outside the rounds?); the round is not published and the next one is full"
             )
         return shadow if shadow is not None else buffer
+
+
+def _keeps_wire_bytes(target: ModelTarget, meta: ParamMeta) -> bool:
+    """Whether applying `meta`'s bytes leaves them as they are in `target`'s parameter
+    (a contiguous host tensor of the wire dtype, written by a plain copy)."""
+    param = target.params.get(meta.name)
+    return (
+        target.load_weights is None
+        and param is not None
+        and param.device.type == "cpu"
+        and param.dtype == meta.dtype
+        and param.is_contiguous()
+    )

@@ -146,7 +146,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         if getattr(init_info, "delta", False) and not cls.supports_delta:
             raise ValueError(
                 f"delta should be False for the {init_info.backend} backend (delta rounds "
-                f"run on tcp), got True"
+                f"run on tcp and shm), got True"
             )
         settings: PipelineSettings = init_info  # type: ignore[assignment]
         plan = TransferPlan.build(

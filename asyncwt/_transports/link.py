@@ -17,7 +17,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -53,6 +53,9 @@ from .wire import (
     unpack_hello,
     verify_challenge,
 )
+
+if TYPE_CHECKING:
+    from .._delta.links import DeltaLinks
 
 __all__ = [
     "LinkSettings",
@@ -446,11 +449,23 @@ class LinkedSender(SenderTransport):
     travels (`send_bucket`) and adds what its transport needs around the rest.
     """
 
+    on_release: Callable[[Peer, Frame], None] | None = None
+    """Takes RELEASE frames that come while the round waits for READY (a ring's
+    senders); without it they are a protocol error."""
+    delta: DeltaLinks | None = None
+    """Delta rounds (`delta=True`, see `asyncwt._delta.links`): a subclass that
+    sends them sets it and hands its buckets to it."""
+
     def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
         self.links = TrainerLinks(settings, plan)
 
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
         await self.links.rendezvous(worker_fields, init_workers)
+
+    @property
+    def round_wire_bytes(self) -> int | None:
+        """Bytes on the wire to each worker in the last round (delta rounds), else None."""
+        return self.delta.round_wire_bytes if self.delta is not None else None
 
     @property
     def num_workers(self) -> int:
@@ -460,12 +475,18 @@ class LinkedSender(SenderTransport):
         self.links.check_usable()
 
     async def begin_round(self, round_id: int) -> None:
-        await self.links.wait_ready(round_id)
+        await self.links.wait_ready(round_id, self.on_release)
+        if self.delta is not None:
+            self.delta.begin_round(round_id)
 
     async def end_round(self) -> None:
         await self.links.end_round()
+        if self.delta is not None:
+            self.delta.end_round(self.links.round_id)
 
     async def abort_round(self, reason: str) -> None:
+        if self.delta is not None:
+            self.delta.abort_round()
         await self.links.abort_round(reason)
 
     def close(self) -> None:

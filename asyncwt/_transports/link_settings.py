@@ -58,7 +58,7 @@ class LinkedTrainerInfo(PipelineSettings):
     most this long."""
     delta: bool = False
     """Send each round as a lossless delta against the bytes the workers hold for the
-    previous round, where that pays (`"tcp"` only; see `asyncwt._delta`). The
+    previous round, where that pays (`"tcp"` and `"shm"`; see `asyncwt._delta`). The
     trainer keeps a host copy of the payload it last sent; a worker keeps a shadow
     of what its model does not hold as wire bytes."""
     delta_full_every: int = 0

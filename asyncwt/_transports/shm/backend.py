@@ -21,6 +21,14 @@ trainer's whole process group included). Elsewhere the segments are named,
 owner-only, and unlinked as soon as every worker has mapped them. If one worker of
 a round reads from the ring, every bucket is packed into it (a worker that reads
 directly then reads the ring slot).
+
+With `delta=True` (see `asyncwt._delta.links`), a bucket coded smaller than its
+payload goes to each worker that gets a delta as a DELTA frame inline on its link:
+no addresses lent, no ring slot announced. A bucket that codes raw, and every
+bucket of a full round, goes the way above. The rate `delta_policy="auto"` weighs
+the encoder against is a direct read's (lent until read back); a ring bucket is
+packed before it is sent either way and its announce costs next to nothing, so
+over the ring auto sends full rounds once it has measured the encoder.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import mmap
 import re
 import secrets
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, ClassVar
@@ -43,6 +50,8 @@ from ..._core.concurrency import single_error
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import check_bool, check_int_in, check_u64
+from ..._delta.links import DeltaLinks
+from ..._delta.receiver import receive_delta
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
@@ -55,7 +64,7 @@ from ..base import (
     SenderTransport,
     Settle,
 )
-from ..link import Peer
+from ..link import Peer, WorkerLink
 from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..sockio import recv_exact
 from ..wire import Frame, FrameKind
@@ -194,6 +203,7 @@ class ShmSender(RingSender):
         if info.direct_reads and _cma.supported():
             self.probe, self._probe_buffer = _cma.ReadProbe.create()
         self.links.direct_reads = self.probe is not None
+        self.delta = DeltaLinks.of(self.links, plan, info)
         self.read_streams = info.read_streams
         self.in_flight_buckets = info.num_buffers
         """Direct rounds lend up to this many buckets before the oldest is read
@@ -288,43 +298,68 @@ class ShmSender(RingSender):
     async def send_bucket(
         self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Lend `bucket` to the direct readers (its addresses), then announce its ring
-        slot to the ring workers.
+        """Send `bucket` to every worker: in full (`_send_full`), or, with `delta`,
+        as a DELTA frame on the link to each worker that gets a delta of it.
+
+        Shielded from cancellation, each step bounded by `send_timeout` instead:
+        `segments` may point into the source's tensors, which must stay as they are
+        until read, and a slot announced to only some workers would never be
+        released.
+        """
+        ring = self.bound.get(slot)  # bound until sent, then `pending` guards it
+
+        async def full(peers: list[Peer]) -> Settle | None:
+            return await self._send_full(bucket, ring, segments, peers)
+
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.delta is None:
+                    return await full(self.links.peers)
+                # A ring slot may be packed again as soon as its readers release it:
+                # the copy is updated before it is announced, not beside.
+                settle = await self.delta.send_bucket(
+                    bucket, segments, full, keep_beside=self.direct
+                )
+            finally:
+                self.bound.pop(slot, None)
+        return settle
+
+    async def _send_full(
+        self, bucket: Bucket, ring: int | None, segments: list[Segment], peers: list[Peer]
+    ) -> Settle | None:
+        """Lend `bucket` to the direct readers among `peers` (its addresses), then
+        announce its ring slot `ring` to the ring workers among them.
 
         In a direct round (every worker reads directly) return at once with a
         `Settle` that waits for every reader's acknowledgement: the next bucket is
         lent while this one is read, and the pipeline holds `segments` until then.
         Otherwise return once every direct reader has read it. The direct readers
         go first: a ring worker may release the slot as soon as it has applied it,
-        and the next bucket may then be packed into it. Shielded from cancellation,
-        each step bounded by `send_timeout` instead: `segments` may point into the
-        source's tensors, which must stay as they are until read, and a slot
-        announced to only some workers would never be released.
+        and the next bucket may then be packed into it.
         """
-        peers = self.links.peers
         ring_peers = [peer for peer in peers if not peer.reads_directly]
         readers = [peer for peer in peers if peer.reads_directly]
-        with anyio.CancelScope(shield=True):
-            if ring_peers:
-                ring = self.bound.pop(slot)
-                self.pending[ring] = set(ring_peers)
-            if readers:
-                addresses = struct.pack(f"<{len(segments)}Q", *map(_host_address, segments))
-                await self.links.each(self._lend, bucket, addresses, among=readers)
-                if not ring_peers:
+        if ring_peers:
+            assert ring is not None, "a ring worker's round packs every bucket into the ring"
+            self.pending[ring] = set(ring_peers)
+        if readers:
+            addresses = struct.pack(f"<{len(segments)}Q", *map(_host_address, segments))
+            await self.links.each(self._lend, bucket, addresses, among=readers)
+            if not ring_peers and self.direct:
 
-                    async def settle() -> None:
-                        await self.links.each(self._read_back, bucket, among=readers)
+                async def settle() -> None:
+                    await self.links.each(self._read_back, bucket, among=readers)
 
-                    return settle
-                await self.links.each(self._read_back, bucket, among=readers)
-            if ring_peers:
-                header = self.links.frame(
-                    FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
-                )
-                await self.links.each(
-                    self.links.send_header, header, f"bucket {bucket.index}", among=ring_peers
-                )
+                return settle
+            await self.links.each(self._read_back, bucket, among=readers)
+        if ring_peers:
+            assert ring is not None
+            header = self.links.frame(
+                FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes, slot=ring
+            )
+            await self.links.each(
+                self.links.send_header, header, f"bucket {bucket.index}", among=ring_peers
+            )
         return None
 
     async def _lend(self, peer: Peer, bucket: Bucket, addresses: bytes) -> None:
@@ -422,31 +457,32 @@ class ShmReceiver(RingReceiver):
             buffers.append(_view(segment, self.plan.bucket_bytes))
         return buffers
 
-    def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
+    def received(
+        self, link: WorkerLink, round_id: int, frame: Frame, target: LandingTarget
+    ) -> ReceivedBucket:
+        """A delta inline on the link, a bucket read from the trainer's memory, or
+        a ring slot."""
+        bucket = self.plan.buckets[frame.index]
+        if frame.kind == FrameKind.DELTA:
+            return receive_delta(link.sock, frame, bucket, self.pool, target)
         if not self.reads_directly:
-            yield from super().receive_round(round_id, target)
-            return
-        link = self.link
-        assert link is not None
-        with link.guard(round_id):
-            for frame in link.frames(round_id):
-                bucket = self.plan.buckets[frame.index]
-                count = len(bucket.slices)
-                addresses = struct.unpack(f"<{count}Q", recv_exact(link.sock, 8 * count))
-                buffer, release, views = self.pool.landing(bucket, target)
-                try:
-                    assert self.reader is not None
-                    self.reader.read(views, addresses)
-                except OSError as exc:
-                    release()
-                    raise TransferError(
-                        f"reading bucket {bucket.index} from the trainer's memory failed: {exc}"
-                    ) from exc
-                except BaseException:
-                    release()
-                    raise
-                link.send(Frame(FrameKind.RELEASE, round_id, bucket.index, frame.digest, 0, 0))
-                yield ReceivedBucket(bucket, buffer, release)
+            return super().received(link, round_id, frame, target)
+        count = len(bucket.slices)
+        addresses = struct.unpack(f"<{count}Q", recv_exact(link.sock, 8 * count))
+        buffer, release, views = self.pool.landing(bucket, target)
+        try:
+            assert self.reader is not None
+            self.reader.read(views, addresses)
+        except OSError as exc:
+            release()
+            raise TransferError(
+                f"reading bucket {bucket.index} from the trainer's memory failed: {exc}"
+            ) from exc
+        except BaseException:
+            release()
+            raise
+        link.send(Frame(FrameKind.RELEASE, round_id, bucket.index, frame.digest, 0, 0))
+        return ReceivedBucket(bucket, buffer, release)
 
     def close(self) -> None:
         super().close()
@@ -469,6 +505,7 @@ class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
     """Trainer engine of the `"shm"` backend (see the module docstring)."""
 
     init_info_cls = ShmTrainerInitInfo
+    supports_delta = True
 
     @classmethod
     def make_transport(

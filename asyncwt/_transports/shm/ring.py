@@ -46,6 +46,7 @@ class RingSender(LinkedSender):
         """Per ring slot, the workers that still read what it holds."""
         self.bound: dict[int, int] = {}
         """Pipeline slot → the ring slot it is packing into (until sent)."""
+        self.on_release = self._on_release
 
     def set_buffers(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
@@ -100,7 +101,7 @@ class RingSender(LinkedSender):
 
     async def begin_round(self, round_id: int) -> None:
         self.bound.clear()  # bindings of an aborted round are void
-        await self.links.wait_ready(round_id, self._on_release)
+        await super().begin_round(round_id)
 
     async def send_bucket(
         self, bucket: Bucket, slot: int, segments: list[Segment]
@@ -152,6 +153,7 @@ class RingReceiver(ReceiverTransport):
             info.recv_timeout,
             slots=max(1, len(self.buffers)),
             reads_directly=self.reads_directly,
+            delta=info.delta,
         )
 
     @property
@@ -162,14 +164,20 @@ class RingReceiver(ReceiverTransport):
         link = self.link
         assert link is not None
         with link.guard(round_id):
-            for frame in link.frames(round_id):
-                if not 0 <= frame.slot < len(self.buffers):
-                    raise ProtocolError(
-                        f"round {round_id}: bucket {frame.index} names ring slot {frame.slot}, "
-                        f"there are {len(self.buffers)}"
-                    )
-                bucket = self.plan.buckets[frame.index]
-                yield ReceivedBucket(bucket, self.buffers[frame.slot], self._releaser(link, frame))
+            for frame in link.frames(round_id, base=self.delta_base):
+                yield self.received(link, round_id, frame, target)
+
+    def received(
+        self, link: WorkerLink, round_id: int, frame: Frame, target: LandingTarget
+    ) -> ReceivedBucket:
+        """The bucket `frame` announces (its header checked by the link): the ring slot."""
+        if not 0 <= frame.slot < len(self.buffers):
+            raise ProtocolError(
+                f"round {round_id}: bucket {frame.index} names ring slot {frame.slot}, "
+                f"there are {len(self.buffers)}"
+            )
+        bucket = self.plan.buckets[frame.index]
+        return ReceivedBucket(bucket, self.buffers[frame.slot], self._releaser(link, frame))
 
     @staticmethod
     def _releaser(link: WorkerLink, frame: Frame) -> Any:

@@ -40,31 +40,7 @@ class TcpSender(LinkedSender):
 
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
-        self.delta = (
-            DeltaLinks(self.links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
-            if info.delta
-            else None
-        )
-
-    @property
-    def round_wire_bytes(self) -> int | None:
-        """Bytes on the wire to each worker in the last round (delta rounds), else None."""
-        return self.delta.round_wire_bytes if self.delta is not None else None
-
-    async def begin_round(self, round_id: int) -> None:
-        await super().begin_round(round_id)
-        if self.delta is not None:
-            self.delta.begin_round(round_id)
-
-    async def end_round(self) -> None:
-        await super().end_round()
-        if self.delta is not None:
-            self.delta.end_round(self.links.round_id)
-
-    async def abort_round(self, reason: str) -> None:
-        if self.delta is not None:
-            self.delta.abort_round()
-        await super().abort_round(reason)
+        self.delta = DeltaLinks.of(self.links, plan, info)
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
         if self.delta is not None:
