@@ -3,15 +3,19 @@
 
     python benchmarks/delta_trajectory.py                 # 57 M params, 20 steps at 1e-6 and 1e-5
     python benchmarks/delta_trajectory.py --quick         # 4 steps of a small model (a smoke run)
+    python benchmarks/delta_trajectory.py --backend shm   # the same over shared memory
+    python benchmarks/delta_trajectory.py --rate 1G       # tcp, emulated hosts, 1 Gbit/s links
 
 A Llama-shaped decoder (the benchmark's `LlamaShape`: embedding, per layer
 q/k/v/o and SwiGLU gate/up/down projections, RMS norms, LM head; no rotary
 embedding) is trained from a fixed init with AdamW in fp32 on a fixed synthetic
 token stream. After every step its weights are cast to bf16 and pushed, over
-tcp on loopback, to three `asyncwt worker` processes, each by its own trainer
-(see `KINDS`: deltas always, deltas where they pay, full rounds, and full rounds
-again to show the noise), each kind going first in turn. Every round of both is checked bit-exact
-against the bf16 weights (the workers' `/weights_status` checksum).
+tcp on loopback (`--backend shm`: shared memory; `--rate`: tcp on an emulated
+cluster), to four `asyncwt worker` processes, each by its own trainer (see
+`KINDS`: deltas always, deltas where they pay, full rounds, and full rounds again
+to show the noise), each kind going first in turn. Every round of every kind is
+checked bit-exact against the bf16 weights (the workers' `/weights_status`
+checksum).
 
 Reported per round: payload bytes, bytes on the wire, wall seconds of the delta
 round and of the full round. Memory: the trainer's host copy (`host_bytes`) and
@@ -34,7 +38,14 @@ import anyio
 import torch
 import torch.nn.functional as F
 
-from asyncwt import HttpClient, ModuleSource, TcpTrainerInitInfo, model_checksum, trainer_init
+from asyncwt import (
+    HttpClient,
+    ModuleSource,
+    ShmTrainerInitInfo,
+    TcpTrainerInitInfo,
+    model_checksum,
+    trainer_init,
+)
 from asyncwt._bench._model import MODEL_ENV, LlamaShape, SyntheticLlama
 from asyncwt._cli.launch import start_worker, stop_worker
 
@@ -127,10 +138,13 @@ ratio carries (both do the same work)."""
 FULL_KINDS = ("full", "twin")
 
 
-def _info(kind: str, bucket: int, host: str) -> TcpTrainerInitInfo:
-    if kind in FULL_KINDS:
-        return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host)
-    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host, delta=True, delta_policy=kind)
+def _info(
+    kind: str, bucket: int, host: str, backend: str = "tcp"
+) -> TcpTrainerInitInfo | ShmTrainerInitInfo:
+    delta = {} if kind in FULL_KINDS else {"delta": True, "delta_policy": kind}
+    if backend == "shm":
+        return ShmTrainerInitInfo(rank=0, bucket_bytes=bucket, **delta)  # type: ignore[arg-type]
+    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host, **delta)  # type: ignore[arg-type]
 
 
 async def run_lr(
@@ -155,7 +169,9 @@ async def run_lr(
     try:
         for kind in KINDS:
             engines[kind] = await trainer_init(
-                _info(kind, bucket, host), client=clients[kind], source=ModuleSource(mirror)
+                _info(kind, bucket, host, args.backend),
+                client=clients[kind],
+                source=ModuleSource(mirror),
             )
         for step in range(args.steps + 1):
             loss = float("nan")
@@ -247,7 +263,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     params = sum(math.prod(d) for _, d in shape.param_shapes())
     print(f"model: {params / 1e6:.1f} M parameters, {shape.nbytes / 2**20:.1f} MiB of bf16")
     env = dict(os.environ, **{MODEL_ENV: shape.to_json(), "OMP_NUM_THREADS": "1"})
-    workers = [start_worker(WORKER_MODEL, "--backend", "tcp", env=env) for _ in KINDS]
+    workers = [start_worker(WORKER_MODEL, "--backend", args.backend, env=env) for _ in KINDS]
     try:
         urls = [url for _, url in workers]
         runs = [await run_lr(lr, shape, args, urls) for lr in args.lrs]
@@ -376,6 +392,12 @@ def main() -> None:
         help="run on an emulated cluster with every link capped at this rate (bit/s, "
         "e.g. 1G; root needed), instead of loopback",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("tcp", "shm"),
+        default="tcp",
+        help="the backend on one host (default tcp; the emulated cluster is tcp only)",
+    )
     parser.add_argument("--in-cluster", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rate is not None:
@@ -383,6 +405,8 @@ def main() -> None:
         text = args.rate.upper()
         args.rate = int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
     args.lrs = [float(x) for x in args.lrs.split(",")]
+    if args.rate is not None and args.backend != "tcp":
+        parser.error(f"--rate runs on an emulated cluster, tcp only; got --backend {args.backend}")
     if args.steps is None:
         args.steps = 4 if args.quick else 20
     torch.set_num_threads(args.threads)
