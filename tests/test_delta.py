@@ -57,8 +57,8 @@ from asyncwt._delta.codec import (
     DeltaHeader,
     Encoding,
     apply_sparse,
-    decode_sparse,
     encode,
+    sparse_chunks,
 )
 from asyncwt._delta.sender import DeltaSender
 from asyncwt._trainer.base import TrainerInitInfo
@@ -80,10 +80,15 @@ def _bucket(*lengths: int) -> Bucket:
     return Bucket(0, tuple(slices), at, sum(lengths))
 
 
-def _decode(coded_header: DeltaHeader, body: bytes, base: torch.Tensor, unit: int) -> torch.Tensor:
+def _decode(
+    coded_header: DeltaHeader, body: bytes, base: torch.Tensor, unit: int, chunk: int = 1 << 18
+) -> torch.Tensor:
     out = base.clone()
-    positions, values = decode_sparse(coded_header, memoryview(body), out.numel() // unit, unit)
-    apply_sparse([out], positions, values, unit)
+    units = out.numel() // unit
+    for positions, values in sparse_chunks(
+        coded_header, memoryview(body), units, unit, chunk=chunk
+    ):
+        apply_sparse([out], positions, values, unit)
     return out
 
 
@@ -186,13 +191,37 @@ def test_sparse_body_positions_are_checked() -> None:
     with pytest.raises(
         ProtocolError, match=r"^a sparse body's positions should increase strictly$"
     ):
-        decode_sparse(header, memoryview(bytes(backwards)), 50, 2)
+        list(sparse_chunks(header, memoryview(bytes(backwards)), 50, 2))
     beyond = torch.tensor([10, 40], dtype=torch.int32).view(torch.uint8).tolist() + [0] * 4
     with pytest.raises(ProtocolError, match=r"^a sparse body names unit 50; the payload has 50$"):
-        decode_sparse(header, memoryview(bytes(beyond)), 50, 2)
+        list(sparse_chunks(header, memoryview(bytes(beyond)), 50, 2))
     zipped = DeltaHeader(Encoding.ZSPARSE, 5, 2, bytes(16))
     with pytest.raises(ProtocolError, match=r"^a ZSPARSE body does not decompress"):
-        decode_sparse(zipped, memoryview(b"12345"), 50, 2)
+        list(sparse_chunks(zipped, memoryview(b"12345"), 50, 2))
+    # A later chunk is checked on its own too: its first gap continues the last chunk.
+    gaps = [0, 1, 1, 0]
+    stalled = torch.tensor(gaps, dtype=torch.int32).view(torch.uint8).tolist() + [0] * 8
+    four = DeltaHeader(Encoding.SPARSE, 24, 4, bytes(16))
+    chunks = sparse_chunks(four, memoryview(bytes(stalled)), 50, 2, chunk=2)
+    positions, _ = next(chunks)
+    assert positions.tolist() == [0, 1]
+    with pytest.raises(ProtocolError, match=r"^a sparse body's positions should increase"):
+        next(chunks)
+
+
+@pytest.mark.parametrize("encoding_changed", [0.01, 0.2])
+def test_sparse_bodies_decode_the_same_in_any_chunk_size(encoding_changed: float) -> None:
+    generator = torch.Generator().manual_seed(3)
+    old = torch.randint(0, 1 << 15, (5000,), dtype=torch.int16, generator=generator)
+    new = old.clone()
+    changed = torch.randperm(5000, generator=generator)[: int(5000 * encoding_changed)]
+    new[changed] += 1
+    coded = encode([new.view(torch.uint8)], old.view(torch.uint8).clone(), 2)
+    assert coded.header.encoding in (Encoding.SPARSE, Encoding.ZSPARSE)
+    assert isinstance(coded.body, bytes)
+    for chunk in (1, 7, 1 << 18):
+        decoded = _decode(coded.header, coded.body, old.view(torch.uint8), 2, chunk=chunk)
+        assert torch.equal(decoded, new.view(torch.uint8))
 
 
 def test_delta_settings_are_checked() -> None:

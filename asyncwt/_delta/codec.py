@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,9 +40,9 @@ __all__ = [
     "Encoded",
     "Encoding",
     "apply_sparse",
-    "decode_sparse",
     "encode",
     "payload_digest",
+    "sparse_chunks",
     "unit_of",
 ]
 
@@ -64,6 +64,9 @@ PIECE_BYTES = 2 << 20
 """The most bytes one comparison covers: a bucket is compared in pieces on the threads."""
 WORD = 8
 """Bytes compared at once before looking into units (see `_changes`)."""
+CHUNK_CHANGES = 1 << 18
+"""Changes a worker decodes and applies at once: bounds its temporaries (8 bytes of
+position a change) whatever share of a bucket changed."""
 
 
 class Encoding(enum.IntEnum):
@@ -282,37 +285,63 @@ def _encoded(
     return Encoded(header, body)
 
 
-def decode_sparse(
-    header: DeltaHeader, body: memoryview, units: int, unit: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_chunks(
+    header: DeltaHeader, body: memoryview, units: int, unit: int, *, chunk: int = CHUNK_CHANGES
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The changed units' positions (int64, increasing, below `units`) and values of a
-    `SPARSE` or `ZSPARSE` body; a body that decodes to anything else is a `ProtocolError`."""
-    size = header.count * (4 + unit)
+    `SPARSE` or `ZSPARSE` body, `chunk` changes at a time, each chunk checked before
+    it is yielded; a body that decodes to anything else is a `ProtocolError` (raised
+    when reached: chunks before it were yielded).
+
+    Memory: the decompressed body (`ZSPARSE`; a `SPARSE` body is read where it lies,
+    when writable) and one chunk's positions, whatever the count.
+    """
+    count = header.count
+    size = count * (4 + unit)
     if size == 0:
-        return torch.zeros(0, dtype=torch.int64), _units(torch.zeros(0, dtype=torch.uint8), unit)
+        return
+    data = _sparse_bytes(header, body, size)
+    gaps = data[: count * 4].view(torch.int32)
+    values = _units(data[count * 4 :], unit)
+    carry = -1  # the position before the first: its gap may be 0
+    for start in range(0, count, chunk):
+        steps = gaps[start : start + chunk].to(torch.int64) & 0xFFFFFFFF
+        if start == 0:
+            steps[0] += 1  # the first gap is the first position itself
+        if not bool((steps > 0).all()):
+            raise ProtocolError("a sparse body's positions should increase strictly")
+        positions = torch.cumsum(steps, 0) + carry
+        carry = int(positions[-1])
+        if carry >= units:
+            raise ProtocolError(f"a sparse body names unit {carry}; the payload has {units}")
+        yield positions, values[start : start + chunk]
+
+
+def _sparse_bytes(header: DeltaHeader, body: memoryview, size: int) -> torch.Tensor:
+    """The `size` bytes of gaps and values a body holds, as a uint8 tensor."""
     if header.encoding == Encoding.ZSPARSE:
+        out = torch.empty(size, dtype=torch.uint8)
+        view = byte_view(out)
+        got = 0
         try:
-            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+            with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+                while got < size:
+                    n = reader.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                extra = reader.read(1)
         except zstandard.ZstdError as exc:
             raise ProtocolError(f"a ZSPARSE body does not decompress: {exc}") from exc
-        if len(raw) != size:
+        if got != size or extra:
             raise ProtocolError(
                 f"a ZSPARSE body of {header.count} changes should decompress to {size} bytes, "
-                f"got {len(raw)}"
+                f"got {got if got != size else 'more'}"
             )
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    else:
-        data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    values = _units(data[header.count * 4 :], unit)
-    gaps = data[: header.count * 4].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if header.count > 1 and not bool((gaps[1:] > 0).all()):
-        raise ProtocolError("a sparse body's positions should increase strictly")
-    positions = torch.cumsum(gaps, 0)
-    if int(positions[-1]) >= units:
-        raise ProtocolError(
-            f"a sparse body names unit {int(positions[-1])}; the payload has {units}"
-        )
-    return positions, values
+        return out
+    if body.readonly:
+        body = memoryview(bytearray(body))
+    return torch.frombuffer(body, dtype=torch.uint8)[:size]
 
 
 def apply_sparse(

@@ -40,8 +40,8 @@ from .codec import (
     DeltaHeader,
     Encoding,
     apply_sparse,
-    decode_sparse,
     payload_digest,
+    sparse_chunks,
     unit_of,
 )
 
@@ -185,8 +185,9 @@ class WorkerDelta:
             assert buffer is not None
             unit = self._units[bucket.index]
             body = byte_view(buffer)[: header.body_bytes]
-            positions, values = decode_sparse(header, body, bucket.payload_bytes // unit, unit)
-            apply_sparse(destinations, positions, values, unit)
+            units = bucket.payload_bytes // unit
+            for positions, values in sparse_chunks(header, body, units, unit):
+                apply_sparse(destinations, positions, values, unit)
         if header is not None and not hmac.compare_digest(
             payload_digest(destinations), header.digest
         ):
