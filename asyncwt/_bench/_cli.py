@@ -117,6 +117,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-buffers", type=int, metavar="N", help="asyncwt buffers per side (default 2)"
     )
+    parser.add_argument(
+        "--read-streams",
+        type=int,
+        metavar="N",
+        help="shm: concurrent reads per bucket on a direct-reading worker (default 0: one "
+        "per core, at most 4)",
+    )
 
 
 def _add_rounds_options(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +305,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Benc
         parser.error(f"--torch-threads should be >= 0, got {args.torch_threads}")
     if args.num_buffers is not None and args.num_buffers < 1:
         parser.error(f"--num-buffers should be >= 1, got {args.num_buffers}")
+    if args.read_streams is not None and not 0 <= args.read_streams <= 8:
+        parser.error(f"--read-streams should be in [0, 8], got {args.read_streams}")
     bucket = None
     if args.bucket_mib is not None:
         bucket = int(args.bucket_mib * (1 << 20)) // 64 * 64
@@ -308,6 +317,7 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Benc
         model_mib=args.model_mib,
         bucket_bytes=bucket,
         num_buffers=args.num_buffers,
+        read_streams=args.read_streams,
         rounds=rounds,
         out=args.out,
         apply_threads=args.apply_threads,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,8 @@ class BenchSettings:
     """asyncwt's bucket size for the headline, memory and overlap runs (and `packed`)."""
     num_buffers: int = 2
     """asyncwt's buffers per side for the same runs."""
+    read_streams: int = 0
+    """shm: concurrent reads per bucket on a direct-reading worker (0: the default)."""
     rounds: Rounds = field(default_factory=Rounds)
     out: Path = Path("bench-out")
     apply_threads: int = WeightTransferConfig.apply_threads
@@ -149,7 +151,11 @@ class BenchSettings:
 
     @property
     def config(self) -> EngineConfig:
-        return EngineConfig(bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers)
+        return EngineConfig(
+            bucket_bytes=self.bucket_bytes,
+            num_buffers=self.num_buffers,
+            read_streams=self.read_streams,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -429,9 +435,7 @@ def _staged(
     The staged record, the wire-alone record and the sweep's."""
     name = backend.name
     default = settings.config
-    staged_default = EngineConfig(
-        bucket_bytes=default.bucket_bytes, num_buffers=default.num_buffers, zero_copy=False
-    )
+    staged_default = replace(default, zero_copy=False)
     staged_env = {
         **env,
         TRANSFORM_ENV: TransformConfig(
@@ -466,7 +470,7 @@ def _staged(
 
 def _grid(settings: BenchSettings, *, zero_copy: bool) -> list[EngineConfig]:
     return [
-        EngineConfig(bucket_bytes=b, num_buffers=n, zero_copy=zero_copy)
+        replace(settings.config, bucket_bytes=b, num_buffers=n, zero_copy=zero_copy)
         for b in settings.sweep_bucket_bytes
         for n in settings.sweep_num_buffers
     ]
@@ -535,9 +539,7 @@ def _more_buffers(settings: BenchSettings) -> EngineConfig:
     """The default configuration with one more buffer per apply thread: a receive
     buffer stays free for the next bucket while every apply thread holds one."""
     config = settings.config
-    return EngineConfig(
-        bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers + settings.apply_threads
-    )
+    return replace(config, num_buffers=config.num_buffers + settings.apply_threads)
 
 
 def _slow_transform_worker(
