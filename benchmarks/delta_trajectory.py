@@ -13,7 +13,8 @@ token stream. After every step its weights are cast to bf16 and pushed, over
 tcp on loopback (`--backend shm`: shared memory; `--rate`: tcp on an emulated
 cluster), to four `asyncwt worker` processes, each by its own trainer (see
 `KINDS`: deltas always, deltas where they pay, full rounds, and full rounds again
-to show the noise), each kind going first in turn. Every round of every kind is
+to show the noise; the last three take turns going first, the always-delta round
+goes last). Every round of every kind is
 checked bit-exact against the bf16 weights (the workers' `/weights_status`
 checksum).
 
@@ -185,9 +186,12 @@ async def run_lr(
                 loss = float(loss_t.detach())
                 cast_into(mirror, master)
             version = f"lr{lr:g}-step{step}"
-            order = (
-                KINDS[step % len(KINDS) :] + KINDS[: step % len(KINDS)]
-            )  # each kind goes first in turn
+            # The plain-cost kinds take turns going first; the always-delta round
+            # (the slowest on one host) goes last, so its aftermath (its worker's
+            # freed memory, the caches it swept) falls on the next training step
+            # rather than on whichever kind follows it.
+            light = KINDS[1:]
+            order = (*light[step % len(light) :], *light[: step % len(light)], KINDS[0])
             stats = {}
             for kind in order:
                 stats[kind] = await engines[kind].send_weights(weight_version=version)
