@@ -139,7 +139,7 @@ ratio carries (both do the same work)."""
 FULL_KINDS = ("full", "twin")
 
 
-def _info(
+def trainer_info(
     kind: str, bucket: int, host: str, backend: str = "tcp"
 ) -> TcpTrainerInitInfo | ShmTrainerInitInfo:
     delta = {} if kind in FULL_KINDS else {"delta": True, "delta_policy": kind}
@@ -170,7 +170,7 @@ async def run_lr(
     try:
         for kind in KINDS:
             engines[kind] = await trainer_init(
-                _info(kind, bucket, host, args.backend),
+                trainer_info(kind, bucket, host, args.backend),
                 client=clients[kind],
                 source=ModuleSource(mirror),
             )
