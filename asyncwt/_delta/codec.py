@@ -177,22 +177,18 @@ class Encoded:
     """The new payload's segments (`RAW`) or the coded bytes."""
 
 
-def encode(
-    segments: Sequence[torch.Tensor], base: torch.Tensor, unit: int, *, allow_coded: bool = True
-) -> Encoded:
+def encode(segments: Sequence[torch.Tensor], base: torch.Tensor, unit: int) -> Encoded:
     """Encode the payload `segments` (uint8 CPU tensors, back to back) against `base`
     (the previous payload, as long as they are together), then copy them into `base`.
-
-    With `allow_coded=False` only the digest is computed and the body is `RAW`.
     """
-    pieces = _pieces(segments, unit) if allow_coded else []
+    pieces = _pieces(segments, unit)
     with ThreadPoolExecutor(CODING_THREADS, thread_name_prefix="asyncwt-code") as pool:
         compared = pool.map(lambda piece: _changes(piece, base, unit), pieces)
         digest = payload_digest(segments)  # here, beside the comparison
         found = list(compared)
     positions = [p for p, _ in found if p.numel()]
     values = [v for p, v in found if p.numel()]
-    return _encoded(segments, base, unit, positions, values, digest, allow_coded)
+    return _encoded(segments, base, unit, positions, values, digest)
 
 
 def _pieces(segments: Sequence[torch.Tensor], unit: int) -> list[tuple[torch.Tensor, int]]:
@@ -256,14 +252,13 @@ def _encoded(
     positions: list[torch.Tensor],
     values: list[torch.Tensor],
     digest: bytes,
-    allow_coded: bool,
 ) -> Encoded:
     """The smallest body for these changes; then the segments go into `base`."""
     payload = base.numel()
     count = sum(p.numel() for p in positions)
     header = DeltaHeader(Encoding.RAW, payload, 0, digest)
     body: list[torch.Tensor] | bytes = list(segments)
-    if allow_coded and count * (4 + unit) < payload * RAW_FRACTION:
+    if count * (4 + unit) < payload * RAW_FRACTION:
         where = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
         gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
         changed = torch.cat(values) if values else _units(empty_bytes(0), unit)

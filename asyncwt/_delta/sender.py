@@ -94,11 +94,11 @@ class DeltaSender:
     """What the trainer keeps between rounds to send deltas, and which round to send.
 
     `policy` `"auto"` sends a delta round only where measured rates say it pays,
-    and keeps the copy (a memcpy per round) only while a delta of nothing would
-    pay (the wire measured slower than the encoder's least cost): on a fast
-    loopback a round is then a plain one, and it starts keeping the copy, and so
-    sends deltas two rounds later, once the wire is measured slow. `"always"`
-    keeps the copy from the first round and sends every round it can as a delta.
+    and keeps the copy (a memcpy per round) only while they predict a delta round
+    well below a full one (see the module docstring): on a fast loopback every
+    round is then a plain one; on a slow link it starts keeping the copy once the
+    wire is measured, and codes from the round after. `"always"` keeps the copy
+    from the first round and sends every round it can as a delta.
     """
 
     def __init__(self, plan: TransferPlan, *, full_every: int = 0, policy: str = "auto") -> None:
@@ -153,7 +153,7 @@ class DeltaSender:
         carried it: its low 32 bits), whether it gets deltas."""
         base = self.base_round & 0xFFFFFFFF
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
-        self._held, self._touched, self._sampled = self.base_round, False, False
+        self._held, self._touched = self.base_round, False
         self._prior = bool(self.base_round)
         self.keeping = self.policy == "always" or self._worth_keeping()
         if not self.keeping:
