@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncwt._bench._cli import main
+from asyncwt._bench._cli import _settings, build_parser, main
 from asyncwt._bench._cpu import CpuMeter, median_cores
 from asyncwt._bench._floors import gather_wire_floors, transform_floor
 from asyncwt._bench._limits import MemcpyLimit
@@ -283,6 +283,19 @@ def test_cli_rejects_fewer_than_three_rounds() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--tiny", "--rounds", "2"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny", "--headline-rounds", "2"])
+    assert exc.value.code == 2
+
+
+def test_the_headline_pairs_more_rounds_than_a_figure_takes() -> None:
+    """The 1 GiB run pairs 15 headline rounds by default (its bar is a median of
+    per-round ratios that spread widely); CI-sized presets keep 5; the option wins."""
+    parser = build_parser()
+    assert _settings(parser.parse_args([]), parser).headline_rounds == 15
+    assert _settings(parser.parse_args(["--tiny"]), parser).headline_rounds == 5
+    args = parser.parse_args(["--headline-rounds", "7"])
+    assert _settings(args, parser).headline_rounds == 7
 
 
 def test_memory_probe_sees_a_touched_allocation() -> None:

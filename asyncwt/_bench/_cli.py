@@ -136,6 +136,13 @@ def _add_rounds_options(parser: argparse.ArgumentParser) -> None:
         help="timed rounds per figure, >= 3; figures are medians (default %(default)s)",
     )
     parser.add_argument(
+        "--headline-rounds",
+        type=int,
+        metavar="N",
+        help="timed rounds of each backend's headline, each paired with a round of its "
+        "limit, >= 3 (default: 15; 5 with --quick/--tiny)",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=1,
@@ -301,6 +308,8 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Benc
         rounds = Rounds(rounds=args.rounds, warmup=args.warmup)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.headline_rounds is not None and args.headline_rounds < 3:
+        parser.error(f"--headline-rounds should be >= 3, got {args.headline_rounds}")
     if args.torch_threads < 0:
         parser.error(f"--torch-threads should be >= 0, got {args.torch_threads}")
     if args.num_buffers is not None and args.num_buffers < 1:
@@ -319,6 +328,7 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Benc
         num_buffers=args.num_buffers,
         read_streams=args.read_streams,
         rounds=rounds,
+        headline_rounds=args.headline_rounds,
         out=args.out,
         apply_threads=args.apply_threads,
         gather_x=args.gather_x,

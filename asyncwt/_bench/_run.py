@@ -67,21 +67,22 @@ PAIR_NAMES = ("gather+wire", "wire+transform")
 class Preset:
     model_mib: float
     bucket_bytes: int
+    headline_rounds: int
     sweep_bucket_bytes: tuple[int, ...]
     sweep_num_buffers: tuple[int, ...]
 
 
 PRESETS: dict[str, Preset] = {
     "default": Preset(
-        model_mib=1024, bucket_bytes=64 * MiB,
+        model_mib=1024, bucket_bytes=64 * MiB, headline_rounds=15,
         sweep_bucket_bytes=(16 * MiB, 64 * MiB, 256 * MiB), sweep_num_buffers=(1, 2, 4),
     ),
     "quick": Preset(
-        model_mib=64, bucket_bytes=4 * MiB,
+        model_mib=64, bucket_bytes=4 * MiB, headline_rounds=PAIR_ROUNDS,
         sweep_bucket_bytes=(1 * MiB, 4 * MiB, 16 * MiB), sweep_num_buffers=(1, 2, 4),
     ),
     "tiny": Preset(
-        model_mib=8, bucket_bytes=512 * KiB,
+        model_mib=8, bucket_bytes=512 * KiB, headline_rounds=PAIR_ROUNDS,
         sweep_bucket_bytes=(256 * KiB, 1 * MiB), sweep_num_buffers=(1, 2),
     ),
 }  # fmt: skip
@@ -104,6 +105,10 @@ class BenchSettings:
     read_streams: int = 0
     """shm: concurrent reads per bucket on a direct-reading worker (0: the default)."""
     rounds: Rounds = field(default_factory=Rounds)
+    headline_rounds: int = 15
+    """Timed rounds of the headline at least, each paired with a round of its limit.
+    One round's ratio spreads from about 0.55x to 1.3x on a small shared machine
+    (loopback TCP most), so the bar's median needs many more rounds than a figure."""
     out: Path = Path("bench-out")
     apply_threads: int = WeightTransferConfig.apply_threads
     """The worker's apply threads (the transform stage's parallelism)."""
@@ -143,6 +148,7 @@ class BenchSettings:
             "preset": name,
             "model_mib": preset.model_mib,
             "bucket_bytes": preset.bucket_bytes,
+            "headline_rounds": preset.headline_rounds,
             "sweep_bucket_bytes": preset.sweep_bucket_bytes,
             "sweep_num_buffers": preset.sweep_num_buffers,
         }
@@ -383,7 +389,8 @@ def _headline(
         role=f"worker-{name}",
     )  # fmt: skip
     headline_rounds = Rounds(
-        rounds=max(settings.rounds.rounds, PAIR_ROUNDS), warmup=settings.rounds.warmup
+        rounds=max(settings.rounds.rounds, settings.headline_rounds),
+        warmup=settings.rounds.warmup,
     )
     paired = PairedBaselines(
         model, shape, rounds=headline_rounds,
