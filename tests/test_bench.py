@@ -227,6 +227,30 @@ def test_the_shm_streams_script_pairs_each_count_with_memcpy(tmp_path: Path) -> 
     assert all("x one core's memcpy" in line and "bit-exact yes" in line for line in lines)
 
 
+@pytest.mark.timeout(300)
+def test_the_tcp_cpu_script_accounts_each_side_of_both_streams(tmp_path: Path) -> None:
+    """Every side's CPU per round is read from /proc: each sender did system work
+    (its copies into the socket), and the trainer's event loop is told apart."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tcp_cpu.py"
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model-mib", "64", "--rounds", "3",
+         "--out", str(tmp_path), "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert len(report["vs_raw_rounds"]) == 3 and report["vs_raw"] > 0
+    cpu = report["cpu_s_per_round"]
+    assert set(cpu) >= {
+        "raw sender", "raw receiver", "asyncwt worker", "asyncwt trainer, event loop",
+    }  # fmt: skip
+    # 64 MiB crossed the socket each round: the kernel's copies are system time on
+    # both senders (ticks of 10 ms, so summed over both they cannot all read 0).
+    assert cpu["raw sender"]["system"] + cpu["asyncwt trainer, event loop"]["system"] > 0
+    assert "asyncwt against the raw stream" in proc.stdout
+
+
 def test_the_overlap_pairs_script_names_a_pair_it_does_not_know() -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
     proc = subprocess.run(

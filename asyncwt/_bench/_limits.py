@@ -160,6 +160,13 @@ class RawLoopback:
             self._stack = stack.pop_all()
         return self
 
+    @property
+    def sender_pid(self) -> int:
+        """The raw sender child's process id (for CPU accounting)."""
+        if self._child is None:
+            raise RuntimeError("RawLoopback.sender_pid read outside its `with` block")
+        return self._child.pid
+
     def round_s(self, chunk: int) -> float:
         """One round: the child sends `total` bytes in `chunk`-sized `sendall`s; seconds."""
         if self._sock is None or self._view is None or self._meter is None:
