@@ -282,10 +282,18 @@ class TrainerLinks:
         *args: Any,
         among: list[Peer] | None = None,
     ) -> None:
-        """Run `fn(peer, *args)` for every peer (or every peer `among`) concurrently."""
+        """Run `fn(peer, *args)` for every peer (or every peer `among`) concurrently.
+
+        A single peer's call is awaited in place: a task group per bucket costs the
+        sending thread about as much as the rest of the bucket's Python together.
+        """
+        peers = self.peers if among is None else among
+        if len(peers) == 1:
+            await fn(peers[0], *args)
+            return
         with single_error():
             async with anyio.create_task_group() as tg:
-                for peer in self.peers if among is None else among:
+                for peer in peers:
                     tg.start_soon(fn, peer, *args)
 
     async def send_frame(self, peer: Peer, segments: list[memoryview], what: str) -> None:
@@ -295,21 +303,22 @@ class TrainerLinks:
         stream) and bounded by `send_timeout` instead.
         """
         timeout = self.settings.send_timeout
-        with anyio.CancelScope(shield=True):
+        # One scope does both (a scope per frame is a measurable share of a bucket's
+        # Python): shielded from the caller's cancellation, cancelled at its deadline.
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + timeout) as scope:
             try:
-                with anyio.fail_after(timeout):
-                    await async_send_segments(peer.sock, segments)
-            except TimeoutError:
-                peer.close(f"timed out sending {what}")
-                raise TransferTimeoutError(
-                    f"round {self.round_id}: worker {peer.address} did not take {what} within "
-                    f"send_timeout={timeout}s"
-                ) from None
+                await async_send_segments(peer.sock, segments)
             except TransferError as exc:
                 peer.close(str(exc))
                 raise TransferError(
                     f"round {self.round_id}: sending {what} to worker {peer.address} failed: {exc}"
                 ) from exc
+        if scope.cancelled_caught:
+            peer.close(f"timed out sending {what}")
+            raise TransferTimeoutError(
+                f"round {self.round_id}: worker {peer.address} did not take {what} within "
+                f"send_timeout={timeout}s"
+            )
 
     async def send_header(self, peer: Peer, frame: Frame, what: str) -> None:
         await self.send_frame(peer, [memoryview(frame.pack())], what)
