@@ -107,7 +107,7 @@ class BenchSettings:
     rounds: Rounds = field(default_factory=Rounds)
     headline_rounds: int = 15
     """Timed rounds of the headline at least, each paired with a round of its limit.
-    One round's ratio spreads from about 0.55x to 1.3x on a small shared machine
+    One round's ratio spreads from about 0.5x to 1.5x on a small shared machine
     (loopback TCP most), so the bar's median needs many more rounds than a figure."""
     out: Path = Path("bench-out")
     apply_threads: int = WeightTransferConfig.apply_threads

@@ -284,8 +284,8 @@ class TrainerLinks:
     ) -> None:
         """Run `fn(peer, *args)` for every peer (or every peer `among`) concurrently.
 
-        A single peer's call is awaited in place: a task group per bucket costs the
-        sending thread about as much as the rest of the bucket's Python together.
+        A single peer's call is awaited in place: on loopback the sending thread's
+        Python bounds a round, and a task group per bucket was a measurable share of it.
         """
         peers = self.peers if among is None else among
         if len(peers) == 1:
