@@ -36,34 +36,29 @@ from asyncwt import (
     TrainerWeightTransferEngine,
     trainer_init,
 )
+from asyncwt._bench._cpu import cpu_times
 from asyncwt._bench._limits import RawLoopback
 from asyncwt._bench._model import MODEL_ENV, LlamaShape, SyntheticLlama, fill_random
 from asyncwt._bench._procs import start_asyncwt_worker
 from asyncwt._bench._util import run_async
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _RAW_CHUNK = 1 << 20
 
 
-def _cpu(path: str) -> tuple[float, float]:
-    """(user, system) CPU seconds from a `/proc/.../stat` file."""
-    with open(path) as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / _TICKS_PER_S, int(fields[12]) / _TICKS_PER_S
-
-
 def _process(pid: int) -> tuple[float, float]:
-    return _cpu(f"/proc/{pid}/stat")
+    times = cpu_times(f"/proc/{pid}/stat")
+    if times is None:
+        raise RuntimeError(f"/proc/{pid}/stat cannot be read: this script needs Linux")
+    return times
 
 
 def _threads() -> dict[str, tuple[float, float]]:
     """(user, system) CPU seconds of each live thread of this process, by thread id."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            out[tid] = _cpu(f"/proc/self/task/{tid}/stat")
-        except OSError:  # the thread ended meanwhile
-            continue
+        times = cpu_times(f"/proc/self/task/{tid}/stat")
+        if times is not None:  # else the thread ended meanwhile
+            out[tid] = times
     return out
 
 

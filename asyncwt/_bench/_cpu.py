@@ -14,23 +14,31 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CpuMeter", "machine_cpu_s", "median_cores", "process_cpu_s"]
+__all__ = ["CpuMeter", "cpu_times", "machine_cpu_s", "median_cores", "process_cpu_s"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _UTIME_FIELD = 11
 """Index of `utime` among the fields after the command name (field 14 of `stat`)."""
 
 
-def process_cpu_s(pid: int | None = None) -> float | None:
-    """User + system CPU seconds `pid` (this process by default) has used, all its
-    threads together; `None` where `/proc` cannot tell (not Linux, or it is gone)."""
+def cpu_times(stat_path: str) -> tuple[float, float] | None:
+    """(user, system) CPU seconds from a `stat` file of `/proc`: a process's
+    (`/proc/PID/stat`, all its threads) or one thread's (`/proc/PID/task/TID/stat`);
+    `None` where it cannot be read (not Linux, or it is gone)."""
     try:
-        with open(f"/proc/{os.getpid() if pid is None else pid}/stat") as stat:
+        with open(stat_path) as stat:
             text = stat.read()
     except OSError:
         return None
     fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return (int(fields[_UTIME_FIELD]) + int(fields[_UTIME_FIELD + 1])) / _TICKS_PER_S
+    return int(fields[_UTIME_FIELD]) / _TICKS_PER_S, int(fields[_UTIME_FIELD + 1]) / _TICKS_PER_S
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """User + system CPU seconds `pid` (this process by default) has used, all its
+    threads together; `None` where `/proc` cannot tell (not Linux, or it is gone)."""
+    times = cpu_times(f"/proc/{os.getpid() if pid is None else pid}/stat")
+    return None if times is None else sum(times)
 
 
 def machine_cpu_s() -> float | None:
