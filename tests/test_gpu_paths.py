@@ -416,8 +416,14 @@ def test_ipc_handles_open_on_the_gpu_with_the_trainers_uuid(
         cuda_ipc.local_index("GPU-ccc", torch.device("cuda", 0))
 
 
-def test_a_closed_rings_memory_goes_to_the_next_ring_never_back_to_the_allocator() -> None:
-    device = torch.device("cpu")  # the shelf's bookkeeping is the same on any device
+def test_a_closed_rings_memory_goes_to_the_next_ring_never_back_to_the_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The shelf's bookkeeping is the same on any device; blocks come from the CPU here.
+    monkeypatch.setattr(
+        cuda_ipc, "ring_block", lambda device, n: torch.empty(n, dtype=torch.uint8, device=device)
+    )
+    device = torch.device("cpu")
     nbytes = 1234567
     first = cuda_ipc.take_ring(device, nbytes, 2)
     addresses = {b.data_ptr() for b in first}

@@ -346,11 +346,15 @@ def apply_sparse(
     unit: int,
 ) -> None:
     """Write `values` at `positions` (in units of the whole payload) into the payload
-    made of `destinations` (uint8 views, back to back, each a whole number of units)."""
+    made of `destinations` (uint8 views, back to back, each a whole number of units;
+    on a GPU, only the changed units and their positions are copied there)."""
     at = 0
     for destination in destinations:
         n = destination.numel() // unit
         lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
         if hi > lo:
-            _units(destination, unit)[positions[lo:hi] - at] = values[lo:hi]
+            index, changed = positions[lo:hi] - at, values[lo:hi]
+            if destination.device != index.device:  # a GPU base: upload only the changes
+                index, changed = index.to(destination.device), changed.to(destination.device)
+            _units(destination, unit)[index] = changed
         at += n

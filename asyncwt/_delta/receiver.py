@@ -5,9 +5,18 @@ holds a parameter's wire bytes as they are (`ModelTarget.direct` with no
 transform: a CPU parameter of the wire dtype, or a staged copy of one), those
 bytes are the parameter itself and cost nothing (behind a ring, which lands nothing
 in place, a plain bucket's bytes are copied into such a parameter here rather than
-by the applier, the same one copy). Every other slice is kept in a
-shadow copy: one bucket-sized host buffer per bucket that has such a slice
+by the applier, the same one copy). A GPU parameter of the wire dtype that the
+applier copies into as it is (no transform, no `load_weights`) is its own base
+too: a coded bucket's changed units are uploaded and scattered into it on the
+device, and no host copy of it is kept (only the digest reads its bytes back,
+into pinned memory, once per bucket). Every other slice is kept in a shadow
+copy: one bucket-sized host buffer per bucket that has such a slice
 (`shadow_bytes`), filled by every round, full or delta.
+
+Two targets come out of `adapt`: the one receivers land into (a GPU parameter is
+never landed in, its bytes arrive in a buffer), and `applied(...)`, the one the
+applier and `prepare` use, where every base parameter counts as direct (this
+side writes it; the applier leaves it alone).
 
 Decoding runs on the applier's threads (`DeferredApplier.submit`'s `prepare`):
 the body is decompressed, the changed units are written into the live
@@ -29,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._core.bytes import byte_view
+from .._core.cuda_sync import to_host
 from .._core.meta import ParamMeta
 from .._core.plan import Bucket, Slice, TransferPlan
 from .._transports.base import LandingTarget, ReceivedBucket
@@ -92,6 +102,11 @@ class WorkerDelta:
         self._fill: tuple[bool, ...] = (False,) * len(plan.params)
         """Per parameter: whether it keeps the wire bytes though a plain bucket does
         not land in it (a ring slot's receiver): this side copies it in then."""
+        self._on_device: tuple[bool, ...] = (False,) * len(plan.params)
+        """Per parameter: a GPU parameter that is its own base: nothing lands in it,
+        this side copies or scatters every bucket's bytes into it."""
+        self._adapted: ModelTarget | None = None
+        self._applied: ModelTarget | None = None
 
     def adapt(self, target: ModelTarget) -> ModelTarget:
         """`target` with direct landing exactly where the parameter keeps the wire
@@ -103,14 +118,34 @@ class WorkerDelta:
         self.base_round = 0
         count = len(target.direct)
         if target.transform is not None:
-            self._fill = (False,) * count
-            return dataclasses.replace(target, direct=(False,) * count)
-        holds = tuple(
-            direct or _keeps_wire_bytes(target, meta)
-            for direct, meta in zip(target.direct, self.plan.params)
-        )
-        self._fill = tuple(h and not d for h, d in zip(holds, target.direct))
-        return dataclasses.replace(target, direct=holds) if any(self._fill) else target
+            self._fill = self._on_device = (False,) * count
+            adapted = dataclasses.replace(target, direct=(False,) * count)
+        else:
+            holds = tuple(
+                direct or _keeps_wire_bytes(target, meta, "cpu")
+                for direct, meta in zip(target.direct, self.plan.params)
+            )
+            self._fill = tuple(h and not d for h, d in zip(holds, target.direct))
+            self._on_device = tuple(
+                not h and _keeps_wire_bytes(target, meta, "cuda")
+                for h, meta in zip(holds, self.plan.params)
+            )
+            adapted = dataclasses.replace(target, direct=holds) if any(self._fill) else target
+        self._adapted = adapted
+        self._applied = adapted
+        if any(self._on_device):
+            self._applied = dataclasses.replace(
+                adapted, direct=tuple(d or g for d, g in zip(adapted.direct, self._on_device))
+            )
+        return adapted
+
+    def applied(self, target: ModelTarget) -> ModelTarget:
+        """The target the applier and `prepare` use for `target` (what `adapt`
+        returned): GPU base parameters count as direct there (see the module
+        docstring)."""
+        if target is self._adapted and self._applied is not None:
+            return self._applied
+        return target
 
     @property
     def shadow_bytes(self) -> int:
@@ -137,7 +172,11 @@ class WorkerDelta:
         header = received.coded
         assert header is None or isinstance(header, DeltaHeader)
         kept = [target.direct[s.param] for s in bucket.slices]
-        if header is None and all(kept) and not any(self._fill[s.param] for s in bucket.slices):
+        if (
+            header is None
+            and all(kept)
+            and not any(self._fill[s.param] or self._on_device[s.param] for s in bucket.slices)
+        ):
             return None
 
         def run() -> torch.Tensor | None:
@@ -178,7 +217,11 @@ class WorkerDelta:
         if header is None or header.encoding == Encoding.RAW:
             assert buffer is not None or all(kept)
             for s, k, destination in zip(bucket.slices, kept, destinations):
-                landed = k and (header is not None or not self._fill[s.param])
+                landed = (
+                    k
+                    and not self._on_device[s.param]
+                    and (header is not None or not self._fill[s.param])
+                )
                 if not landed and buffer is not None:
                     destination.copy_(buffer[s.offset : s.offset + s.nbytes])
         else:
@@ -189,7 +232,7 @@ class WorkerDelta:
             for positions, values in sparse_chunks(header, body, units, unit):
                 apply_sparse(destinations, positions, values, unit)
         if header is not None and not hmac.compare_digest(
-            payload_digest(destinations), header.digest
+            payload_digest([to_host(d) for d in destinations]), header.digest
         ):
             raise DeltaDigestError(
                 f"bucket {bucket.index} rebuilt from the delta does not match the trainer's "
@@ -199,14 +242,15 @@ class WorkerDelta:
         return shadow if shadow is not None else buffer
 
 
-def _keeps_wire_bytes(target: ModelTarget, meta: ParamMeta) -> bool:
+def _keeps_wire_bytes(target: ModelTarget, meta: ParamMeta, device_type: str) -> bool:
     """Whether applying `meta`'s bytes leaves them as they are in `target`'s parameter
-    (a contiguous host tensor of the wire dtype, written by a plain copy)."""
+    (a contiguous tensor of the wire dtype on a `device_type` device, written by a
+    plain copy)."""
     param = target.params.get(meta.name)
     return (
         target.load_weights is None
         and param is not None
-        and param.device.type == "cpu"
+        and param.device.type == device_type
         and param.dtype == meta.dtype
         and param.is_contiguous()
     )

@@ -169,10 +169,17 @@ class SyncTrainerEngine:
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
         fence = getattr(self.engine, "fence", None)
+        join = getattr(self.engine, "join_caller", None)
         kwargs: dict[str, Any] = {"weight_version": weight_version}
         if fence is not None:
             kwargs["after"] = fence()  # the caller's stream, in the caller's thread
-        stats: RoundStats = self._run(functools.partial(self.engine.send_weights, **kwargs))
+        if join is not None:
+            kwargs["join"] = False  # joined below, on the caller's stream
+        try:
+            stats: RoundStats = self._run(functools.partial(self.engine.send_weights, **kwargs))
+        finally:
+            if join is not None:
+                join()  # the caller's stream waits for the round's lanes
         return stats
 
     def shutdown(self) -> None:

@@ -176,12 +176,23 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 )
 
             try:
+                await anyio.to_thread.run_sync(engine.prepare_staging, transport)
                 await transport.rendezvous(fields, init_workers)
             except BaseException:
                 transport.close()
                 raise
             engine.transport = transport
         return engine
+
+    def prepare_staging(self, transport: SenderTransport) -> None:
+        """Allocate (and pin, or register) what rounds pack into, now, in the calling
+        thread (a worker thread at init): the transport's own buffers, and on a GPU
+        the pool, unless the transport stages every slot itself. A first round
+        would otherwise pay for it, on the event loop. A CPU trainer's pool stays
+        allocated on first use (scatter-gather sends may never need it)."""
+        transport.prepare()
+        if self.device.type == "cuda" and not transport.own_staging:
+            self._pool.allocate()
 
     @property
     def num_workers(self) -> int:
@@ -195,14 +206,31 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         another thread (the blocking façade) takes it in the training thread."""
         return self._iterate_lane.record_caller()
 
+    def join_caller(self) -> None:
+        """Make later work on the calling thread's current stream wait (on the
+        device) for everything this engine's lanes enqueued: a rank's collectives and
+        copies of a round are over before its next training step touches the weights.
+        `send_weights` does it itself; a caller that runs the round from another
+        thread (the blocking façade) does it in the training thread."""
+        self._iterate_lane.join_caller()
+        self._pack_lane.join_caller()
+
     async def send_weights(  # type: ignore[override]
-        self, *, weight_version: str | None = None, after: LaneEvent | None = None
+        self,
+        *,
+        weight_version: str | None = None,
+        after: LaneEvent | None = None,
+        join: bool = True,
     ) -> RoundStats:
         """Run one round and return its stats; call it on every trainer rank.
 
         Every rank first waits (on the device, not the host) for the work queued on
         the calling thread's current stream, or for `after` (see `fence`): the
-        weights read are those of the step that came before the call.
+        weights read are those of the step that came before the call. And every
+        rank ends the round, failed or not, with that stream waiting (on the device)
+        for the work the round queued on asyncwt's lanes (`join_caller`; `join=False`
+        leaves that to the caller): a rank other than 0 returns as soon as it has
+        queued its collectives, which may still be reading the weights.
 
         Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
         the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
@@ -252,6 +280,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             return self._stats(round_id, weight_version, started, busy, sent=True)
         finally:
             self._busy = False
+            if join:
+                self.join_caller()
 
     async def _sender_round(
         self,
@@ -401,7 +431,23 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         return reported if isinstance(reported, int) else self.plan.total_bytes
 
     async def shutdown(self) -> None:
-        """Close the transport. Idempotent."""
+        """Close the transport, once the lanes are past what a round queued on them
+        (a cancelled round may have left copies into the transport's buffers queued).
+        Idempotent.
+
+        Cancellation: the lanes' wait is shielded (it ends with the queued work);
+        the transport is closed either way.
+        """
         self._closed = True
-        if self.transport is not None:
-            self.transport.close()
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.drain_lanes)
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+
+    def drain_lanes(self) -> None:
+        """Sleep until this engine's lanes have run their queued work: only those
+        (a full-device sync would also wait for the trainer's own kernels)."""
+        self._iterate_lane.drain()
+        self._pack_lane.drain()

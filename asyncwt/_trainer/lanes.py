@@ -23,6 +23,8 @@ import anyio
 import anyio.to_thread
 import torch
 
+from .._core.cuda_sync import blocking_event, wait_for_stream
+
 __all__ = ["DeviceLane", "LaneEvent", "blocking_event", "staging_buffer", "wait_for_stream"]
 
 
@@ -45,18 +47,6 @@ class _DoneEvent:
 
 
 _DONE = _DoneEvent()
-
-
-def blocking_event() -> torch.cuda.Event:
-    """A CUDA event whose `synchronize()` sleeps instead of spinning a core."""
-    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-
-def wait_for_stream(stream: torch.cuda.Stream) -> None:
-    """Block this thread, without spinning, until `stream`'s queued work is done."""
-    event = blocking_event()
-    event.record(stream)
-    event.synchronize()
 
 
 class DeviceLane:
@@ -103,6 +93,19 @@ class DeviceLane:
         event = blocking_event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def join_caller(self) -> None:
+        """Make later work on the calling thread's current stream wait for everything
+        enqueued on this lane so far (device-side, no host block): the training step
+        after a round must not overwrite weights a lane still reads."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.record())  # type: ignore[arg-type]
+
+    def drain(self) -> None:
+        """Block this thread, sleeping, until the lane's queued work is done (this
+        lane only: other streams of the device, the trainer's included, run on)."""
+        if self.stream is not None:
+            wait_for_stream(self.stream)
 
     def wait_on(self, event: LaneEvent) -> None:
         """Make later work on this lane wait for `event` (device-side, no host block)."""

@@ -238,6 +238,7 @@ async def owners_trainer_init(
     error: BaseException | None = None
     try:
         transport = cls.make_transport(init_info, share, device)
+        await anyio.to_thread.run_sync(engine.prepare_staging, transport)
         await transport.rendezvous(fields, init_workers)
     except BaseException as exc:  # noqa: BLE001 - re-raised after the exchanges below
         error = exc

@@ -66,7 +66,12 @@ class PipelineConfig:
 
 
 class StagingPool:
-    """`num_buffers` bucket-sized host buffers, allocated on first use, kept for reuse."""
+    """`num_buffers` bucket-sized host buffers, kept for reuse.
+
+    Allocating one (pinned where a GPU is involved) and faulting its pages in takes
+    a while for a large bucket, so it never happens on the event loop: `allocate`
+    (at init, in a thread, for a GPU trainer) or `ensure` (first use, in a thread).
+    """
 
     def __init__(self, count: int, nbytes: int, device: torch.device) -> None:
         self.count = count
@@ -75,10 +80,23 @@ class StagingPool:
         self._buffers: list[torch.Tensor | None] = [None] * count
 
     def buffer(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s buffer, allocated here if it is not yet (blocking: see `ensure`)."""
         buffer = self._buffers[slot]
         if buffer is None:
             buffer = self._buffers[slot] = staging_buffer(self.nbytes, self.device)
         return buffer
+
+    async def ensure(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s buffer; a first allocation runs in a thread, not on the loop."""
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = await anyio.to_thread.run_sync(self.buffer, slot)
+        return buffer
+
+    def allocate(self) -> None:
+        """Allocate every slot now (blocking: call it in a thread)."""
+        for slot in range(self.count):
+            self.buffer(slot)
 
     @property
     def allocated_bytes(self) -> int:
@@ -294,7 +312,16 @@ def _copy_into_bulk(
     lane: DeviceLane,
     ready: LaneEvent,
 ) -> LaneEvent:
-    """`_copy_into` on a pack thread, as bulk work (see `asyncwt._core.sched`)."""
+    """`_copy_into` on a pack thread, as bulk work (see `asyncwt._core.sched`).
+
+    A device-to-host copy into pageable memory holds this thread in the driver,
+    spinning, until the lane reaches it, which is after the gathers `ready` marks:
+    the thread first sleeps until the lane has nothing left ahead of the copy.
+    """
+    if lane.is_async and any(tensor.is_cuda for _, tensor in copies):
+        with lane.activate():
+            lane.wait_on(ready)
+        lane.drain()
     with bulk_work():
         return _copy_into(staging, copies, lane, ready)
 
@@ -361,7 +388,7 @@ async def _pack_each(
                 clock.start()
                 staging = sink.staging(slot)
                 if staging is None:
-                    staging = pool.buffer(slot)
+                    staging = await pool.ensure(slot)
             copies.append((s, tensor))
             segments.append(staging[s.offset : s.offset + s.nbytes])
         ready = work.ready

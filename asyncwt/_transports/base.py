@@ -72,10 +72,19 @@ class SenderTransport(ABC):
     """Buckets that may be in flight at once (see `send_bucket`); 1 for a transport
     whose `send_bucket` always returns `None`."""
 
+    own_staging: bool = False
+    """Whether every slot is packed into `staging(slot)` (never `None`): the
+    pipeline's pool then stays unallocated."""
+
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for pipeline slot `slot` (shared memory, say),
         or `None` to pack into the pipeline's pool."""
         return None
+
+    def prepare(self) -> None:
+        """Allocate, pin or register what the rounds will pack into, once, at init
+        (called in a worker thread before `rendezvous`: it may take a while, and
+        must not stall the event loop). Nothing by default."""
 
     async def reclaim(self, slot: int) -> None:
         """Wait until `staging(slot)` may be overwritten (every worker released what

@@ -8,6 +8,13 @@ stream's event before announcing a slot, and a worker releases a slot only after
 its own stream finished reading it, so a slot is reused only after every reader
 is done.
 
+Each ring buffer is its own `cudaMalloc` allocation, made in a memory pool of
+asyncwt's (`ring_block`), never carved from the caching allocator's shared
+segments: an exported handle then maps exactly that buffer (not the neighbouring
+tensors of a segment), and it is a plain CUDA IPC handle even where the trainer
+runs with `expandable_segments:True` (whose segments export as file descriptors a
+worker can only open with ptrace rights over the trainer).
+
 The ring's memory is never handed back to torch's allocator while the process
 lives: one export is mapped by every worker, and torch's IPC reference count
 (one per export, not per importer) would reach zero when the first worker
@@ -16,16 +23,19 @@ closed sender hands its ring back to a per-process shelf, and the next sender
 of the same device and bucket size takes it from there: a re-init costs no
 memory, and nothing is ever freed under a worker.
 
-Workers find the trainer's GPU by its UUID (the same in every process, whatever
-`CUDA_VISIBLE_DEVICES` numbers it), not by index. Nothing here touches CUDA at
-import: the backend is registered everywhere and says so at init where CUDA is
+A worker maps the ring on its own GPU: the driver maps another GPU's memory
+there through peer access (NVLink, PCIe P2P), so a worker on another GPU creates
+no CUDA context on the trainer's (0.3-0.5 GiB each) and need not see it. Only
+where that fails does it map the ring on the trainer's GPU, which it finds by UUID
+(the same in every process, whatever `CUDA_VISIBLE_DEVICES` numbers it), not by
+index. Nothing here touches CUDA at import: the backend is registered everywhere and says so at init where CUDA is
 missing.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -48,6 +58,8 @@ __all__ = [
     "CudaIpcWorkerEngine",
     "CudaIpcWorkerInitInfo",
 ]
+
+logger = logging.getLogger("asyncwt")
 
 _HANDLE_KEYS = {
     "handle": str,
@@ -75,6 +87,44 @@ def require_cuda(backend: str = "cuda_ipc") -> None:
         )
 
 
+_MIN_BLOCK = 10 << 20
+_BLOCK_ROUND = 2 << 20
+"""torch's caching allocator gives a request of at least 10 MiB, rounded up to
+2 MiB, a `cudaMalloc` of exactly that size: asking for that size leaves no
+remainder in the segment for another block to share."""
+
+_POOLS: dict[torch.device, Any] = {}
+"""asyncwt's own memory pool per device, for ring buffers only (never freed)."""
+
+
+def block_bytes(nbytes: int) -> int:
+    """The size a ring buffer of `nbytes` is allocated with: a whole segment."""
+    return max(_MIN_BLOCK, -(-nbytes // _BLOCK_ROUND) * _BLOCK_ROUND)
+
+
+def ring_block(device: torch.device, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `device` memory in a `cudaMalloc` allocation of their own.
+
+    Made in a private `torch.cuda.MemPool` (private pools never use expandable
+    segments, and nothing but ring buffers is ever allocated there) with a request
+    that fills its segment (`block_bytes`): the buffer's IPC handle exports that
+    allocation, and nothing else of the trainer's.
+    """
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
+        raise TransferError(
+            f"the 'cuda_ipc' backend needs torch.cuda.MemPool (torch 2.6 or later) to keep "
+            f"its ring out of the caching allocator's shared segments; torch is "
+            f"{torch.__version__}"
+        )
+    with _SHELF_LOCK:
+        pool = _POOLS.get(device)
+        if pool is None:
+            pool = _POOLS[device] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device):
+        block = torch.empty(block_bytes(nbytes), dtype=torch.uint8, device=device)
+    return block[:nbytes]
+
+
 _SHELF: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 """Ring buffers of closed senders, by (device, bytes): never freed (module docstring)."""
 _SHELF_LOCK = threading.Lock()
@@ -87,7 +137,7 @@ def take_ring(device: torch.device, nbytes: int, count: int) -> list[torch.Tenso
         shelf = _SHELF.setdefault((device, nbytes), [])
         taken = [shelf.pop() for _ in range(min(count, len(shelf)))]
     while len(taken) < count:
-        taken.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        taken.append(ring_block(device, nbytes))
     return taken
 
 
@@ -191,14 +241,14 @@ class CudaIpcSender(RingSender):
             )
         return {"ipc_buffers": handles, "ipc_gpu": gpu_uuid(self.device)}
 
+    own_staging = True
+
     def close(self) -> None:
+        """Shelve the ring. The engine drains its lanes before this (a cancelled
+        round may have left pack copies into the ring queued on them): only those
+        write here, so no device-wide sync is needed."""
         buffers = self.buffers
         super().close()
-        if buffers:
-            # A cancelled round may have left pack copies into the ring queued: the
-            # next sender to take these buffers must not find them still being written.
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.synchronize(self.device)
         shelve_ring(buffers)
 
 
@@ -214,9 +264,34 @@ class CudaIpcReceiver(RingReceiver):
         self.device = device
 
     def map_ring(self) -> list[torch.Tensor]:
+        """Map the ring on this worker's own GPU (peer access reaches the trainer's);
+        where the driver refuses, on the trainer's GPU, found by UUID."""
         require_cuda()
         torch.cuda._lazy_init()
-        index = local_index(self.gpu, self.device)
+        own = self.device.index if self.device.type == "cuda" else None
+        if own is None and self.device.type == "cuda":
+            own = torch.cuda.current_device()
+        if own is not None:
+            try:
+                return self._open(own)
+            except RuntimeError as exc:
+                index = local_index(self.gpu, self.device)
+                if index == own:
+                    raise
+                logger.warning(
+                    "asyncwt: cuda_ipc: the ring on GPU %s cannot be mapped on this worker's "
+                    "GPU cuda:%d (no peer access: %s); mapping it on cuda:%d, which costs a "
+                    "CUDA context there",
+                    self.gpu,
+                    own,
+                    exc,
+                    index,
+                )
+                return self._open(index)
+        return self._open(local_index(self.gpu, self.device))
+
+    def _open(self, index: int) -> list[torch.Tensor]:
+        """Map every exported buffer into device `index`'s address space."""
         buffers = []
         for entry in self.handles:
             if entry["size"] - entry["offset"] < self.plan.bucket_bytes:

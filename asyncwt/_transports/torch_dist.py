@@ -400,16 +400,25 @@ class TorchDistSender(LinkedSender):
         self.group_key = ""
         self._staging: list[torch.Tensor | None] = [None] * info.num_buffers
 
+    own_staging = True
+
     def staging(self, slot: int) -> torch.Tensor:
-        """The buffer a broadcast sends from: device memory for NCCL, host for gloo."""
+        """The buffer a broadcast sends from: device memory for NCCL, host for gloo
+        (pinned when the trainer's device is a GPU: its copies out of the device then
+        run on the copy engines, queued, instead of holding a thread)."""
         buffer = self._staging[slot]
         if buffer is None:
             if self.group_backend == "nccl":
                 buffer = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self.device)
             else:
-                buffer = staging_buffer(self.plan.bucket_bytes, torch.device("cpu"))
+                buffer = staging_buffer(self.plan.bucket_bytes, self.device)
             self._staging[slot] = buffer
         return buffer
+
+    def prepare(self) -> None:
+        """Allocate every slot's staging now (see `SenderTransport.prepare`)."""
+        for slot in range(len(self._staging)):
+            self.staging(slot)
 
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
         """Host the group's store and admit the workers over the link.
@@ -550,10 +559,11 @@ class TorchDistSender(LinkedSender):
             self.store_server.close()
             self.store_server = None
         if self._side is not None and any(b is not None for b in self._staging):
-            # A cancelled round may have left kernels that read the device staging
-            # queued: free it only once the device is past them.
+            # A cancelled round may have left broadcasts that read the device staging
+            # queued: free it only once the stream that waits for them is past them
+            # (that stream only: the trainer's own kernels are not asyncwt's to wait for).
             with contextlib.suppress(RuntimeError):
-                torch.cuda.synchronize(self.device)
+                wait_for_stream(self._side)
         self._staging = [None] * len(self._staging)
 
 

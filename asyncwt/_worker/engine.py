@@ -302,14 +302,15 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         try:
             if target.commit is None:
                 self.weights_incomplete = True  # bytes land in the live weights from now on
+            applied = delta.applied(target) if delta is not None else target
             for received in receiver.receive_round(round_id, target):
                 self._applier.submit(
-                    target,
+                    applied,
                     round_id,
                     received.bucket,
                     received.buffer,
                     received.release,
-                    delta.prepare(target, received) if delta is not None else None,
+                    delta.prepare(applied, received) if delta is not None else None,
                 )
         except BaseException as exc:
             if isinstance(exc, TransferAbortedError) and exc.buckets_received == 0:

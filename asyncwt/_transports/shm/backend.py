@@ -47,6 +47,7 @@ import anyio
 import torch
 
 from ..._core.concurrency import single_error
+from ..._core.cuda_sync import HostRegistration
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import check_bool, check_int_in, check_u64
@@ -196,8 +197,14 @@ class ShmSender(RingSender):
     """Offers direct reads to the workers, and keeps the ring (owner-only segments)
     for those that cannot take them."""
 
-    def __init__(self, info: ShmTrainerInitInfo, plan: TransferPlan) -> None:
+    def __init__(
+        self, info: ShmTrainerInitInfo, plan: TransferPlan, device: torch.device | None = None
+    ) -> None:
         super().__init__(info, plan)
+        self.device = device if device is not None else torch.device("cpu")
+        """The trainer's device: a GPU's buckets are copied into the ring, which is
+        then registered with CUDA (`prepare`) so those copies are queued, not held."""
+        self.registration: HostRegistration | None = None
         self.probe: _cma.ReadProbe | None = None
         self._probe_buffer: Any = None
         if info.direct_reads and _cma.supported():
@@ -237,6 +244,11 @@ class ShmSender(RingSender):
             self.segments.append(segment)
             buffers.append(_view(segment, nbytes))
         return buffers
+
+    def prepare(self) -> None:
+        """Page-lock the ring for CUDA where the trainer's device is a GPU."""
+        if self.device.type == "cuda" and self.registration is None:
+            self.registration = HostRegistration(self.buffers)
 
     def exported(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"segments": [s.name.lstrip("/") for s in self.segments]}
@@ -385,6 +397,9 @@ class ShmSender(RingSender):
             raise error
 
     def close(self) -> None:
+        if self.registration is not None:  # before the ring is unmapped
+            self.registration.close()
+            self.registration = None
         super().close()
         if self.ring_server is not None:
             self.ring_server.close()
@@ -511,7 +526,7 @@ class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
     def make_transport(
         cls, info: ShmTrainerInitInfo, plan: TransferPlan, device: torch.device
     ) -> SenderTransport:
-        return ShmSender(info, plan)
+        return ShmSender(info, plan, device)
 
 
 class ShmWorkerEngine(DeferredWorkerEngine):
