@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from .bytes import byte_view
+from .cuda_sync import to_host
 from .source import materialize_full_tensor
 
 __all__ = ["model_checksum", "tensors_checksum"]
@@ -17,11 +18,12 @@ def tensors_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 over each `(name, dtype, shape, raw bytes)` in the order given.
 
     Bit-exact: equal values with different bytes (0.0 and -0.0) differ. DTensors are
-    gathered (a collective), others moved to the CPU and made contiguous to be read.
+    gathered (a collective), others moved to the CPU and made contiguous to be read
+    (a GPU tensor through pinned memory, the thread sleeping meanwhile: `to_host`).
     """
     digest = hashlib.sha256()
     for name, tensor in named:
-        full = materialize_full_tensor(tensor.detach()).cpu().contiguous()
+        full = to_host(materialize_full_tensor(tensor.detach())).contiguous()
         digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
         digest.update(byte_view(full))
     return digest.hexdigest()

@@ -129,9 +129,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         bounded by the usual timeouts; with nobody gone the round's error is raised."""
         fleet = self._fleet()
         if fleet is None or self.info.on_worker_failure != "drop":
-            return await super().send_weights(
-                weight_version=weight_version, after=after, join=join
-            )
+            return await super().send_weights(weight_version=weight_version, after=after, join=join)
         transport, members = fleet
         fence = after if after is not None else self.fence()
         dropped: list[str] = []
