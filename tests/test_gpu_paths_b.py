@@ -561,6 +561,22 @@ def test_the_shm_ring_of_a_gpu_trainer_is_registered_until_close(
     assert len(fake_cuda.log) == 4  # a CPU trainer registers nothing
 
 
+def test_a_ring_the_driver_will_not_register_stays_pageable_and_says_so(
+    fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fake_cuda.cudart, "cudaHostRegister", lambda pointer, nbytes, flags: 2)
+    info = ShmTrainerInitInfo(rank=0, bucket_bytes=BUCKET_BYTES, num_buffers=2)
+    sender = shm_backend.ShmSender(info, _plan(), torch.device("cuda", 0))
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncwt"):
+            sender.prepare()
+        assert sender.registration is None
+        assert "the ring could not be registered with CUDA (cudaHostRegister of" in caplog.text
+    finally:
+        sender.close()
+    assert fake_cuda.log == []  # nothing registered, nothing to unregister
+
+
 # -- 13: every rank's stream waits for the round's lanes ----------------------------------
 
 

@@ -246,9 +246,18 @@ class ShmSender(RingSender):
         return buffers
 
     def prepare(self) -> None:
-        """Page-lock the ring for CUDA where the trainer's device is a GPU."""
+        """Page-lock the ring for CUDA where the trainer's device is a GPU. Where the
+        driver refuses, the ring stays pageable (its copies then hold a pack thread,
+        sleeping until the lane gets to them): slower, not wrong, and logged."""
         if self.device.type == "cuda" and self.registration is None:
-            self.registration = HostRegistration(self.buffers)
+            try:
+                self.registration = HostRegistration(self.buffers)
+            except RuntimeError as exc:
+                logger.warning(
+                    "asyncwt: shm: the ring could not be registered with CUDA (%s); copies "
+                    "from the GPU into it go through pageable memory",
+                    exc,
+                )
 
     def exported(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"segments": [s.name.lstrip("/") for s in self.segments]}
