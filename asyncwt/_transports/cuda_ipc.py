@@ -28,8 +28,8 @@ there through peer access (NVLink, PCIe P2P), so a worker on another GPU creates
 no CUDA context on the trainer's (0.3-0.5 GiB each) and need not see it. Only
 where that fails does it map the ring on the trainer's GPU, which it finds by UUID
 (the same in every process, whatever `CUDA_VISIBLE_DEVICES` numbers it), not by
-index. Nothing here touches CUDA at import: the backend is registered everywhere and says so at init where CUDA is
-missing.
+index. Nothing here touches CUDA at import: the backend is registered everywhere
+and says so at init where CUDA is missing.
 """
 
 from __future__ import annotations
