@@ -291,6 +291,42 @@ def test_making_and_using_the_group_leaves_the_environment_alone(
     assert [c[1] for c in group.calls[-2:]] == [datetime.timedelta(seconds=3.0)] * 2
 
 
+@pytest.mark.parametrize(
+    ("environ", "tears_down"),
+    [
+        ({}, True),  # torch's default: the watchdog kills the process on a failure
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, True),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, False),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, False),
+        ({"TORCH_NCCL_BLOCKING_WAIT": "1"}, False),  # no watchdog at all
+        ({"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, True),
+    ],
+)
+def test_which_process_settings_let_the_watchdog_tear_the_process_down(
+    environ: dict[str, str], tears_down: bool
+) -> None:
+    assert torch_dist.watchdog_may_tear_down(environ) is tears_down
+
+
+def test_a_process_that_a_peers_failure_could_kill_is_told_once_how_to_start(
+    fake_nccl: type[_FakeNccl],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(torch_dist, "_TEARDOWN_WARNED", threading.Event())
+    with caplog.at_level("WARNING", logger="asyncwt"):
+        torch_dist._new_group("nccl", object(), 0, 2, 7.5, GPU)
+        torch_dist._new_group("nccl", object(), 0, 2, 7.5, GPU)
+    (record,) = caplog.records
+    assert "started without TORCH_NCCL_BLOCKING_WAIT=1" in record.getMessage()
+    monkeypatch.setattr(torch_dist, "_TEARDOWN_WARNED", threading.Event())
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncwt"):
+        torch_dist._new_group("nccl", object(), 0, 2, 7.5, GPU)
+    assert not caplog.records
+
+
 # -- 3. broadcasts start on the side stream ---------------------------------------------------
 
 

@@ -29,11 +29,12 @@ import contextlib
 import datetime
 import functools
 import logging
+import os
 import secrets
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -154,7 +155,37 @@ asyncwt waits for every collective with its timeout (`_wait_all`); torch's watch
 the group's. The margin lets asyncwt's wait time out first and abort the group,
 which stops the watchdog, instead of the watchdog killing the trainer or the
 worker. No environment variable is set: torch reads `TORCH_NCCL_*` with `getenv`
-while NCCL's and vLLM's threads run, and setting one from a thread races them."""
+while NCCL's and vLLM's threads run, and setting one from a thread races them
+(see `watchdog_may_tear_down` for what the process's own settings should be)."""
+
+_TEARDOWN_WARNED = threading.Event()
+
+
+def watchdog_may_tear_down(environ: Mapping[str, str]) -> bool:
+    """Whether, under the process environment `environ`, torch's NCCL watchdog takes
+    the process down when a collective of asyncwt's group fails (a peer died).
+
+    Only a process started with `TORCH_NCCL_BLOCKING_WAIT=1` (no watchdog: the
+    failure is raised in asyncwt's wait) or `TORCH_NCCL_ASYNC_ERROR_HANDLING` 0 or
+    2 (the watchdog never kills) is safe; torch reads both when a group is made.
+    """
+    if environ.get("TORCH_NCCL_BLOCKING_WAIT", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    return environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3").strip() not in ("0", "2")
+
+
+def _warn_if_watchdog_may_tear_down() -> None:
+    """Say once, when an NCCL group is made, that a peer's failure could kill this
+    process, and how to launch it so that it cannot."""
+    if watchdog_may_tear_down(os.environ) and not _TEARDOWN_WARNED.is_set():
+        _TEARDOWN_WARNED.set()
+        logger.warning(
+            "torch_dist over NCCL: this process was started without "
+            "TORCH_NCCL_BLOCKING_WAIT=1 (or TORCH_NCCL_ASYNC_ERROR_HANDLING=2), so torch's "
+            "NCCL watchdog would take the whole process down if a peer of asyncwt's group "
+            "fails; set it in the environment the process starts with (asyncwt does not "
+            "set it at run time: setting a variable races other threads reading one)"
+        )
 
 
 def _nccl_options(timeout: datetime.timedelta) -> Any:
@@ -190,6 +221,7 @@ def _new_nccl_group(
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"device should be a CUDA device with its index for NCCL, got {device}")
     torch.cuda.set_device(device)
+    _warn_if_watchdog_may_tear_down()
     delta = datetime.timedelta(seconds=timeout)
     group = dist.ProcessGroupNCCL(store, rank, size, _nccl_options(delta))
     try:
