@@ -120,8 +120,8 @@ def check_nccl_group_probe(ctx: object) -> Figures:
         started = time.perf_counter()
         try:
             torch_dist._form_within(create, limit)
-        except TransferTimeoutError as exc:
-            figures["alone_error"] = str(exc)[:120]
+        except (TransferTimeoutError, RuntimeError) as exc:  # given up, or the probe timed out
+            figures["alone_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         else:
             failures.append("a group whose peer never came formed")
         figures["alone_failed_after_s"] = round(time.perf_counter() - started, 2)

@@ -230,6 +230,14 @@ def test_a_probe_that_fails_releases_the_group_and_raises(
     assert group.aborted
 
 
+def test_a_group_that_fails_to_form_fails_its_caller_with_its_own_error() -> None:
+    def create() -> Any:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    with pytest.raises(RuntimeError, match=r"^NCCL error: remote process exited$"):
+        torch_dist._form_within(create, 5.0)
+
+
 def _nccl_sender(timeout: float) -> torch_dist.TorchDistSender:
     model = torch.nn.Linear(4, 4)
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=4096)
