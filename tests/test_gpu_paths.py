@@ -2,15 +2,14 @@
 
 Each test stands in for one finding of a close reading of the CUDA code (issue 27):
 device resolution with its index, in the caller's thread; packing into device
-staging; the fence every rank takes; events that sleep instead of spinning; the
-NCCL group's settings; CUDA left alone at import; CUDA IPC by GPU UUID and a ring
-never freed under a worker. What needs a GPU runs in `scripts/gpu-check`.
+staging; the fence every rank takes; events that sleep instead of spinning; CUDA
+left alone at import; CUDA IPC by GPU UUID and a ring never freed under a worker
+(the NCCL group is in `test_gpu_paths_2.py`). What needs a GPU runs in
+`scripts/gpu-check`.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 import subprocess
 import sys
 import threading
@@ -20,7 +19,6 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncwt import (
     ModuleSource,
@@ -34,7 +32,7 @@ from asyncwt._core.errors import TransferError
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._trainer.lanes import DeviceLane, LaneEvent
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
-from asyncwt._transports import cuda_ipc, torch_dist
+from asyncwt._transports import cuda_ipc
 from asyncwt._transports.torch_dist import TorchDistSender
 
 BUCKET_BYTES = 4096
@@ -305,64 +303,6 @@ def test_every_cuda_event_sleeps_instead_of_spinning(monkeypatch: pytest.MonkeyP
     wait_for_stream(_FakeStream())
     anyio.run(DeviceLane.wait, lane.record())
     assert _FakeEvent.made and all(kw == {"blocking": True} for kw in _FakeEvent.made)
-
-
-# -- the NCCL group --------------------------------------------------------------------
-
-
-def test_the_nccl_group_is_made_on_the_indexed_device_with_asyncwts_settings(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    made: ClassVar[list[dict[str, Any]]] = []
-    devices: list[torch.device] = []
-
-    class FakeOptions:
-        def __init__(self) -> None:
-            self._timeout: datetime.timedelta | None = None
-            self.config = SimpleNamespace(blocking=1)
-
-    class FakeNccl:
-        Options = FakeOptions
-
-        def __init__(self, store: Any, rank: int, size: int, options: FakeOptions) -> None:
-            names = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-            made.append(
-                {
-                    "env": {name: os.environ.get(name) for name in names},
-                    "timeout": options._timeout,
-                    "blocking": options.config.blocking,
-                    "rank": rank,
-                    "size": size,
-                }
-            )
-            self.connected: list[torch.device] = []
-
-        def eager_connect_single_device(self, device: torch.device) -> None:
-            self.connected.append(device)
-
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNccl, raising=False)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append(torch.device(d)))
-    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-
-    group: Any = torch_dist._new_group("nccl", object(), 0, 2, 7.5, torch.device("cuda", 2))
-
-    assert devices == [torch.device("cuda", 2)]
-    assert made == [
-        {
-            "env": {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"},
-            "timeout": datetime.timedelta(seconds=7.5),
-            "blocking": 0,
-            "rank": 0,
-            "size": 2,
-        }
-    ]
-    assert group.connected == [torch.device("cuda", 2)]  # the communicator made at once
-    # The process's own settings are back as they were.
-    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
-    with pytest.raises(ValueError, match=r"^device should be a CUDA device with its index"):
-        torch_dist._new_group("nccl", object(), 0, 2, 7.5, torch.device("cuda"))
 
 
 # -- CUDA left alone at import -----------------------------------------------------------

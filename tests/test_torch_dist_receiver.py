@@ -31,7 +31,7 @@ class _PendingWork:
     def is_completed(self) -> bool:
         return False
 
-    def wait(self) -> bool:
+    def wait(self, timeout: object = None) -> bool:
         return True
 
 
@@ -69,7 +69,7 @@ def test_an_abort_read_ahead_returns_every_receive_buffer(
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=4096)
     assert len(plan.buckets) >= 2
     monkeypatch.setattr(
-        _torch_dist, "_start_all", lambda group, tensors: [_PendingWork() for _ in tensors]
+        _torch_dist, "_start_all", lambda group, tensors, side: [_PendingWork() for _ in tensors]
     )
     pool = ReceivePool(BUFFERS, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
     receiver = _receiver(plan, pool)

@@ -18,7 +18,8 @@ alone (owners, mesh shape, placements), identically on every rank and worker:
 
 A piece is a box of the full tensor: on the worker it lands as contiguous runs of
 the full parameter's bytes (`full_slices`), one run for a `Shard(0)` slab, one per
-row for a `Shard(1)` block.
+row for a `Shard(1)` block; `row_groups` finds the rows again, so that a block
+lands as one strided copy, not one copy per row.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "full_slices",
     "local_boxes",
     "pieces_by_param",
+    "row_groups",
 ]
 
 OWNERS_FORMAT = 1
@@ -358,3 +360,34 @@ def full_slices(piece: SharePiece, meta: ParamMeta, share_slice: Slice, param: i
 def pieces_by_param(pieces: Sequence[SharePiece]) -> dict[int, SharePiece]:
     """A rank's pieces by full-plan parameter index (a rank has one piece per parameter)."""
     return {p.param: p for p in pieces}
+
+
+def row_groups(slices: Sequence[Slice | None]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive `slices` that are rows of one block: `(first, rows,
+    stride)`, `rows` slices from index `first`, of one parameter and one length,
+    back to back in the buffer, `stride` bytes apart in the parameter (at least
+    their length). Every slice is in exactly one run, in order; a slice that is
+    `None`, or that fits no run, is a run of its own (`rows` 1, `stride` 0)."""
+    out: list[tuple[int, int, int]] = []
+    i, n = 0, len(slices)
+    while i < n:
+        first = slices[i]
+        rows, stride = 1, 0
+        second = slices[i + 1] if first is not None and i + 1 < n else None
+        if first is not None and second is not None:
+            stride = second.start - first.start
+            while i + rows < n:
+                row = slices[i + rows]
+                if (
+                    row is None
+                    or row.param != first.param
+                    or row.nbytes != first.nbytes
+                    or row.offset != first.offset + rows * first.nbytes
+                    or row.start != first.start + rows * stride
+                    or stride < first.nbytes
+                ):
+                    break
+                rows += 1
+        out.append((i, rows, stride if rows > 1 else 0))
+        i += rows
+    return out

@@ -34,7 +34,7 @@ import secrets
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -147,71 +147,151 @@ def _group_backend(device: torch.device) -> str:
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
-NCCL_GROUP_ENV = {
-    "TORCH_NCCL_BLOCKING_WAIT": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-}
-"""How asyncwt's own NCCL group handles errors, whatever the process's defaults.
-torch reads these when a group is made, for that group alone. Blocking wait: a
-`wait()` holds the host until the collective is over or the group's timeout has
-passed, then raises (torch's default only orders the caller's stream, and never
-times out). Error handling 2 (clean up only): a timed-out collective aborts the
-group's communicators without tearing the process down (torch's default kills
-the process: the trainer, or the vLLM worker that serves rollouts)."""
+WATCHDOG_MARGIN_S = 60.0
+"""How much longer than asyncwt's own timeout torch's NCCL group timeout is.
 
-_ENV_LOCK = threading.Lock()
+asyncwt waits for every collective with its timeout (`_wait_all`); torch's watchdog
+(the process's settings: by default it tears the process down on a timeout) uses
+the group's. The margin lets asyncwt's wait time out first and abort the group,
+which stops the watchdog, instead of the watchdog killing the trainer or the
+worker. No environment variable is set: torch reads `TORCH_NCCL_*` with `getenv`
+while NCCL's and vLLM's threads run, and setting one from a thread races them
+(see `watchdog_may_tear_down` for what the process's own settings should be)."""
+
+_TEARDOWN_WARNED = threading.Event()
 
 
-@contextlib.contextmanager
-def _scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the enclosed block only (one block at a time)."""
-    with _ENV_LOCK:
-        saved = {name: os.environ.get(name) for name in values}
-        os.environ.update(values)
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+def watchdog_may_tear_down(environ: Mapping[str, str]) -> bool:
+    """Whether, under the process environment `environ`, torch's NCCL watchdog takes
+    the process down when a collective of asyncwt's group fails (a peer died).
+
+    Only a process started with `TORCH_NCCL_BLOCKING_WAIT=1` (no watchdog: the
+    failure is raised in asyncwt's wait) or `TORCH_NCCL_ASYNC_ERROR_HANDLING` 0 or
+    2 (the watchdog never kills) is safe; torch reads both when a group is made.
+    """
+    if environ.get("TORCH_NCCL_BLOCKING_WAIT", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    return environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3").strip() not in ("0", "2")
+
+
+def _warn_if_watchdog_may_tear_down() -> None:
+    """Say once, when an NCCL group is made, that a peer's failure could kill this
+    process, and how to launch it so that it cannot."""
+    if watchdog_may_tear_down(os.environ) and not _TEARDOWN_WARNED.is_set():
+        _TEARDOWN_WARNED.set()
+        logger.warning(
+            "torch_dist over NCCL: this process was started without "
+            "TORCH_NCCL_BLOCKING_WAIT=1 (or TORCH_NCCL_ASYNC_ERROR_HANDLING=2), so torch's "
+            "NCCL watchdog would take the whole process down if a peer of asyncwt's group "
+            "fails; set it in the environment the process starts with (asyncwt does not "
+            "set it at run time: setting a variable races other threads reading one)"
+        )
 
 
 def _nccl_options(timeout: datetime.timedelta) -> Any:
-    """The NCCL group's options: its timeout, and a communicator whose creation can
-    time out too (non-blocking init) where this torch can say so."""
+    """The NCCL group's options: the watchdog's timeout `WATCHDOG_MARGIN_S` past
+    asyncwt's. The communicator's own settings are torch's (a non-blocking init is
+    one Python cannot wait on: the first collective fails "in progress")."""
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    config = getattr(options, "config", None)
-    if config is not None and hasattr(config, "blocking"):
-        config.blocking = 0
+    options._timeout = timeout + datetime.timedelta(seconds=WATCHDOG_MARGIN_S)
     return options
 
 
-def _new_nccl_group(
-    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device
-) -> dist.ProcessGroup:
-    """An NCCL group on `device` (with its index), its communicator made now.
+def _probe(group: Any, device: torch.device, side: torch.cuda.Stream, timeout: float) -> None:
+    """Broadcast one element and wait for it within `timeout`: torch makes the
+    communicator at a group's first collective, and its completion proves every
+    rank joined (a made communicator alone proves no peer alive)."""
+    with torch.cuda.stream(side):
+        token = torch.zeros(1, dtype=torch.uint8, device=device)
+    _wait_all(_start_all(group, [token], side), side, timeout)
 
-    Made now, not at the first broadcast: a peer that died after READY then fails
-    the group's creation within its timeout, instead of hanging the first bucket's
-    broadcast, and NCCL's own buffers are allocated here, where an out-of-memory
-    error names the group.
-    """
+
+def _new_nccl_group(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: float,
+    device: torch.device,
+    side: torch.cuda.Stream,
+) -> dist.ProcessGroup:
+    """An NCCL group on `device` (with its index), its communicator made and proved
+    now (`_probe`), not at the first bucket: a peer that died after READY fails the
+    group's creation within `timeout`, and NCCL's buffers are allocated here, where
+    an out-of-memory error names the group."""
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"device should be a CUDA device with its index for NCCL, got {device}")
     torch.cuda.set_device(device)
-    with _scoped_env(NCCL_GROUP_ENV):
-        group = dist.ProcessGroupNCCL(store, rank, size, _nccl_options(timeout))
-    connect = getattr(group, "eager_connect_single_device", None)
-    if connect is not None:
-        try:
-            connect(device)
-        except BaseException:
-            _release_group(group)
-            raise
+    _warn_if_watchdog_may_tear_down()
+    delta = datetime.timedelta(seconds=timeout)
+    group = dist.ProcessGroupNCCL(store, rank, size, _nccl_options(delta))
+    try:
+        _probe(group, device, side, timeout)
+    except BaseException:
+        _release_group(group)
+        raise
     return group
+
+
+class _Formation:
+    """A group being made on a thread of its own, which the caller may give up on."""
+
+    def __init__(self, create: Callable[[], dist.ProcessGroup]) -> None:
+        self._create = create
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+        self.group: dist.ProcessGroup | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            group = self._create()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+            group = None
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self.group = group
+        if abandoned:
+            _release_group(group)  # nobody will: the caller gave up on it
+        self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the group was made (or failed) within `timeout`; if not, it is
+        given up, and released whenever its thread returns."""
+        if self._done.wait(timeout):
+            return True
+        with self._lock:
+            self._abandoned = self.group is None and self.error is None
+            return not self._abandoned
+
+
+FORM_GRACE_S = 5.0
+"""How long past its timeout a group's formation is waited for before it is given up
+(its own waits time out first; only a creation that never returns hits this)."""
+
+
+def _form_within(create: Callable[[], dist.ProcessGroup], timeout: float) -> dist.ProcessGroup:
+    """`create()` on a thread of its own, waited for at most `timeout` (+ a grace).
+
+    A blocking NCCL communicator init (torch makes it at the group's first
+    collective) has no timeout: a peer that never joins would hold the caller for
+    ever. Past the limit the group is given up (its thread releases it if it ever
+    returns) and `TransferTimeoutError` raised.
+    """
+    formation = _Formation(create)
+    thread = threading.Thread(target=formation.run, name="asyncwt-group", daemon=True)
+    thread.start()
+    if not formation.wait(timeout + FORM_GRACE_S):
+        raise TransferTimeoutError(
+            f"the torch_dist group did not form within {timeout}s (a peer did not join: "
+            f"it died, or cannot reach this host)"
+        )
+    if formation.error is not None:
+        raise formation.error
+    assert formation.group is not None
+    return formation.group
 
 
 def _new_group(
@@ -222,15 +302,19 @@ def _new_group(
     timeout: float,
     device: torch.device,
     address: str | None = None,
+    side: torch.cuda.Stream | None = None,
 ) -> dist.ProcessGroup:
     """A process group of its own over `store` (the default group is left alone).
 
     A gloo group listens on `address` (the interface the link uses), not on whatever
-    the host name resolves to; `None` or a wildcard leaves gloo's default.
+    the host name resolves to; `None` or a wildcard leaves gloo's default. An NCCL
+    group runs its collectives on `side` (`_side_stream`).
     """
     delta = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
-        return _new_nccl_group(store, rank, size, delta, device)
+        if side is None:
+            side = _side_stream(device)
+        return _new_nccl_group(store, rank, size, timeout, device, side)
     if address is None or address in _WILDCARDS:
         return dist.ProcessGroupGloo(store, rank, size, delta)
     gloo_options = dist.ProcessGroupGloo._Options()
@@ -269,28 +353,35 @@ def _start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Wor
     return group.broadcast([tensor], options)
 
 
-def _wait_all(works: list[dist.Work], side: torch.cuda.Stream | None = None) -> None:
+def _wait_all(
+    works: list[dist.Work], side: torch.cuda.Stream | None = None, timeout: float | None = None
+) -> None:
     """Wait for every one of `works`, even after one fails (none may still be reading
     or writing a buffer once this returns), then raise the first failure.
 
-    `side`: a stream of the NCCL group's device, kept for this (one per sender or
-    receiver, not per bucket). Without blocking wait (see `NCCL_GROUP_ENV`), NCCL's
-    `wait` only makes the calling thread's current stream wait for the collective;
-    but a trainer's staging slot is packed again on another stream, and a worker's
-    receive buffer is read by apply threads on theirs. So the waits go to `side`
-    (not the default stream, where training or inference kernels may be queued),
-    and the host sleeps until that stream is done: on return the collectives are
-    over, for every stream.
+    `timeout`: each wait holds the host until its collective is over or `timeout`
+    seconds after it started, then raises (torch then aborts the communicator).
+    Given explicitly, it needs no `TORCH_NCCL_BLOCKING_WAIT`; torch's own group
+    timeout is later (`WATCHDOG_MARGIN_S`).
+
+    `side`: the stream of the NCCL group's device its collectives start on (one per
+    sender or receiver, not per bucket). NCCL's `wait` also orders the calling
+    thread's current stream after the collective; but a trainer's staging slot is
+    packed again on another stream, and a worker's receive buffer is read by apply
+    threads on theirs. So the waits go to `side` (not the default stream, where
+    training or inference kernels may be queued), and the host sleeps until that
+    stream is done: on return the collectives are over, for every stream.
 
     Empties `works`: a traceback that keeps the list must not keep the group (and
     its sockets) alive.
     """
     first: RuntimeError | None = None
+    limit = () if timeout is None else (datetime.timedelta(seconds=timeout),)
     try:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for work in works:
                 try:
-                    work.wait()
+                    work.wait(*limit)
                 except RuntimeError as exc:  # DistError is a RuntimeError
                     first = first or exc
         if side is not None:
@@ -308,14 +399,22 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
-def _start_all(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> list[dist.Work]:
+def _start_all(
+    group: dist.ProcessGroup, tensors: list[torch.Tensor], side: torch.cuda.Stream | None
+) -> list[dist.Work]:
     """Start broadcasting `tensors`, in order, without waiting for any of them.
 
     Waiting for each collective before starting the next would leave the
     connection idle between them. Every rank starts the same broadcasts in the same
-    order, so they pair up.
+    order, so they pair up. Under NCCL they start with `side` current: NCCL's
+    stream first waits for the caller's current stream, and a thread's current
+    stream is otherwise the default one, where training or inference kernels queue
+    (every bucket would wait for them). What the broadcasts read or write is ready
+    on the host's word already (the pipeline waited for its packing; a receive
+    buffer's last reader synchronized before releasing it).
     """
-    return [_start_broadcast(group, tensor) for tensor in tensors]
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        return [_start_broadcast(group, tensor) for tensor in tensors]
 
 
 @dataclass
@@ -470,9 +569,18 @@ class TorchDistSender(LinkedSender):
                 self.info.send_timeout,
                 self.device,
                 self.info.advertise_host or self.info.host,
+                self._side,
             )
-            with anyio.CancelScope(shield=True):  # a rendezvous in flight cannot be abandoned
-                self.group = await anyio.to_thread.run_sync(create)
+            # Shielded (a rendezvous in flight cannot be abandoned half-way), and
+            # bounded: `_form_within` gives up past the timeout.
+            with anyio.CancelScope(shield=True):
+                try:
+                    self.group = await anyio.to_thread.run_sync(
+                        _form_within, create, self.info.send_timeout
+                    )
+                except BaseException:
+                    self.store = None  # the group's key is spent: trainer_init again
+                    raise
         return self.group
 
     def check_usable(self) -> None:
@@ -522,13 +630,13 @@ class TorchDistSender(LinkedSender):
         with anyio.CancelScope(shield=True):
             await self.links.each(self.links.send_header, header, f"bucket {bucket.index}")
             try:
-                works = await anyio.to_thread.run_sync(_start_all, self.group, payloads)
+                works = await anyio.to_thread.run_sync(_start_all, self.group, payloads, self._side)
             except RuntimeError as exc:
                 raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
 
         async def settle() -> None:
             try:
-                await anyio.to_thread.run_sync(_wait_all, works, self._side)
+                await anyio.to_thread.run_sync(_wait_all, works, self._side, self.info.send_timeout)
             except RuntimeError as exc:
                 raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
 
@@ -592,13 +700,15 @@ class _Incoming:
     """Short slices received into `buffer` that belong in the model as they are."""
     side: torch.cuda.Stream | None
     """The receiver's side stream under NCCL, else None (see `_wait_all`)."""
+    timeout: float
+    """How long each broadcast may take (the receiver's `recv_timeout`)."""
 
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
     def finish(self, target: LandingTarget) -> None:
         """Wait for the broadcasts, then copy the short direct slices into place."""
-        _wait_all(self.works, self.side)
+        _wait_all(self.works, self.side, self.timeout)
         for s in self.copied_out:
             landing = target.landing_view(s.param)[s.start : s.end]
             torch.frombuffer(landing, dtype=torch.uint8).copy_(
@@ -608,7 +718,7 @@ class _Incoming:
     def abandon(self) -> None:
         """After a failure: wait until nothing writes into the buffer, then release it."""
         with contextlib.suppress(RuntimeError):
-            _wait_all(self.works, self.side)
+            _wait_all(self.works, self.side, self.timeout)
         self.release()
 
 
@@ -670,7 +780,8 @@ class TorchDistReceiver(ReceiverTransport):
             assert self.store is not None
             assert self.link is not None
             address = self.link.sock.getsockname()[0]  # the interface that reaches the trainer
-            self.group = _new_group(
+            create = functools.partial(
+                _new_group,
                 info.group_backend,
                 self.store,
                 self.rank,
@@ -678,7 +789,9 @@ class TorchDistReceiver(ReceiverTransport):
                 info.recv_timeout,
                 self.device,
                 address,
+                self._side,
             )
+            self.group = _form_within(create, info.recv_timeout)
         return self.group
 
     @property
@@ -803,8 +916,9 @@ class TorchDistReceiver(ReceiverTransport):
                 continue
             destinations.append(buffer[unit.packed_range])
             copied_out.extend(s for s in unit.slices if target.direct[s.param])
-        works = _start_all(self.group, destinations)
-        return _Incoming(bucket, buffer, release, works, copied_out, self._side)
+        works = _start_all(self.group, destinations, self._side)
+        timeout = self.info.recv_timeout
+        return _Incoming(bucket, buffer, release, works, copied_out, self._side, timeout)
 
     def _leave_group(self) -> None:
         group, self.group = self.group, None

@@ -33,6 +33,7 @@ import torch
 
 from .._core.errors import AsyncwtError, TransferError
 from .._core.settings import RoundUpdateInfo
+from .._trainer.lanes import wait_for_stream
 from .._worker.base import WeightTransferConfig
 from .._worker.engine import DeferredWorkerEngine
 
@@ -52,8 +53,27 @@ def vllm_backend_name(backend: str) -> str:
 
 
 def _own_copy(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The applier's transform inside vLLM: a tensor that outlives the receive buffer."""
-    return tensor.clone()
+    """The applier's transform inside vLLM: a tensor that outlives the receive buffer.
+
+    vLLM's layerwise loader keeps the tensors it is given until their layer is
+    complete, then uploads them (on this apply thread's stream). On a GPU worker
+    the copy is pinned host memory: not GPU memory outside vLLM's memory budget
+    (a device receive buffer's bytes go down once, and the host waits for them,
+    as the loader may read them there), and an upload from it is a DMA, not a
+    synchronous copy staged through pageable memory. The apply stream first waits
+    for the device's default stream, where vLLM queues its own work (the reload's
+    allocations, inference reading the weights), so that what this apply writes
+    is ordered after it.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return tensor.clone()
+    stream = torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.default_stream(stream.device))
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    copy.copy_(tensor, non_blocking=tensor.is_cuda)
+    if tensor.is_cuda:
+        wait_for_stream(stream)
+    return copy
 
 
 class VllmRoundMixin(DeferredWorkerEngine):

@@ -39,8 +39,9 @@ import torch
 from .._core.bytes import byte_view
 from .._core.errors import ApplyError, PlanMismatchError
 from .._core.meta import ParamMeta
+from .._core.owners import row_groups
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._trainer.lanes import wait_for_stream
+from .._trainer.lanes import DeviceLane, wait_for_stream
 
 __all__ = [
     "MIN_PART_BYTES",
@@ -149,10 +150,15 @@ class ModelTarget:
                 for name, p in live.items()
             }
 
+            lane = DeviceLane(next(iter(live.values())).device if live else "cpu")
+
             def commit() -> None:
-                with torch.no_grad():
+                """Copy the shadow into the model, and return once the copies are
+                done: the round is published right after, and a reader on any
+                stream must then see all of it (see `_settled`)."""
+                with torch.no_grad(), _settled(lane):
                     for name, param in live.items():
-                        param.data.copy_(shadow[name])
+                        param.data.copy_(shadow[name], non_blocking=True)
 
             params = shadow
         direct = tuple(
@@ -206,6 +212,23 @@ class ModelTarget:
         size = meta.dtype.itemsize
         flat = self.params[meta.name].data.view(-1)
         return flat[start // size : (start + nbytes) // size]
+
+
+@contextlib.contextmanager
+def _settled(lane: DeviceLane) -> Iterator[None]:
+    """Run the enclosed device work on `lane`'s stream, after what the calling thread
+    queued so far on its current stream, and return only once the device has done
+    it (sleeping, not spinning). On the CPU: nothing to order or wait for."""
+    stream = lane.stream
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(lane.device))
+    try:
+        with lane.activate():
+            yield
+    finally:
+        lane.record().synchronize()
 
 
 def weights_loader(
@@ -308,8 +331,8 @@ class DeferredApplier:
         self._error: ApplyError | None = None
         self._partial: dict[int, tuple[torch.Tensor, int]] = {}
         """Chunked parameters being reassembled: buffer and bytes received so far."""
-        self._spare: dict[int, list[torch.Tensor]] = {}
-        """Reassembly buffers free for reuse, by size."""
+        self._spare: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        """Reassembly buffers free for reuse, by size and device."""
         self._thread = threading.local()
         """Per apply thread: its CUDA stream (see `_on_device`)."""
 
@@ -479,20 +502,28 @@ class DeferredApplier:
         the parameter(s) being worked on."""
         where = "?"
         try:
-            for piece in pieces:
+            for first, rows, stride in _row_groups(target, [_row_slice(target, p) for p in pieces]):
+                piece = pieces[first]
                 where = repr(target.plan.params[piece.slice.param].name)
-                _land(target, buffer, piece)
+                if rows > 1:
+                    _land_rows(target, buffer, piece.slice, rows, stride)
+                else:
+                    _land(target, buffer, piece)
             ready: list[tuple[str, torch.Tensor]] = []
             assembled: list[torch.Tensor] = []
-            for s in whole:
+            chunks = [s if s.nbytes != target.plan.params[s.param].nbytes else None for s in whole]
+            for first, rows, stride in row_groups(chunks):
+                s = whole[first]
                 meta = target.plan.params[s.param]
                 name, where = meta.name, repr(meta.name)
                 assert buffer is not None
-                region = buffer[s.offset : s.offset + s.nbytes]
+                region = buffer[s.offset : s.offset + rows * s.nbytes]
                 if s.nbytes == meta.nbytes:
                     ready.append((name, _as_tensor(region, meta.dtype, meta.shape)))
                 else:
-                    whole_tensor = self._reassemble(s.param, meta.nbytes, s.start, region)
+                    whole_tensor = self._reassemble(
+                        s.param, meta.nbytes, s.start, region, rows, stride
+                    )
                     if whole_tensor is not None:
                         assembled.append(whole_tensor)
                         ready.append((name, _as_tensor(whole_tensor, meta.dtype, meta.shape)))
@@ -519,16 +550,37 @@ class DeferredApplier:
         return where
 
     def _reassemble(
-        self, index: int, nbytes: int, start: int, region: torch.Tensor
+        self,
+        index: int,
+        nbytes: int,
+        start: int,
+        region: torch.Tensor,
+        rows: int = 1,
+        stride: int = 0,
     ) -> torch.Tensor | None:
-        """Collect a chunked parameter; return it whole once its last byte arrived."""
+        """Collect a chunked parameter; return it whole once its last byte arrived.
+
+        `region` holds bytes `[start, start + len)` of it, or `rows` rows of equal
+        length `stride` bytes apart (`row_groups`), landed in one strided copy. The
+        parameter is collected on `region`'s device: a GPU receive buffer's bytes
+        stay on the GPU instead of going through host memory and back.
+        """
         with self._lock:
             whole, got = self._partial.get(index, (None, 0))
             if whole is None:
-                spare = self._spare.get(nbytes)
-                whole = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8)
+                spare = self._spare.get((nbytes, region.device))
+                whole = (
+                    spare.pop()
+                    if spare
+                    else torch.empty(nbytes, dtype=torch.uint8, device=region.device)
+                )
             self._partial[index] = (whole, got)
-        whole[start : start + region.numel()].copy_(region)
+        if rows > 1:
+            row = region.numel() // rows
+            at = whole.storage_offset() + start
+            whole.as_strided((rows, row), (stride, 1), at).copy_(region.view(rows, row))
+        else:
+            whole[start : start + region.numel()].copy_(region)
         with self._lock:
             whole, got = self._partial[index]
             got += region.numel()
@@ -547,7 +599,7 @@ class DeferredApplier:
         if buffers:
             with self._lock:
                 for buffer in buffers:
-                    self._spare.setdefault(buffer.numel(), []).append(buffer)
+                    self._spare.setdefault((buffer.numel(), buffer.device), []).append(buffer)
 
 
 class _Failed(Exception):
@@ -576,20 +628,68 @@ def _land(target: ModelTarget, buffer: torch.Tensor | None, piece: Piece) -> Non
         at = s.offset + piece.start
         elements = buffer[at : at + piece.nbytes].view(meta.dtype)
     if target.transform is not None:
-        given = elements.numel()
-        elements = target.transform(meta.name, elements)
-        if not isinstance(elements, torch.Tensor) or elements.numel() != given:
-            got = (
-                elements.numel() if isinstance(elements, torch.Tensor) else type(elements).__name__
-            )
-            raise ValueError(
-                f"an elementwise transform should return a tensor of as many elements as it "
-                f"is given ({given}, a run of the parameter's elements), got {got}"
-            )
+        elements = _elementwise(target.transform, meta.name, elements)
     if _same_memory(elements, destination):
         return
     with torch.no_grad():
         destination.copy_(elements.reshape(-1), non_blocking=True)
+
+
+def _elementwise(transform: Transform, name: str, elements: torch.Tensor) -> torch.Tensor:
+    """`transform` run on a flat run of a parameter's elements, checked to return as
+    many."""
+    given = elements.numel()
+    out = transform(name, elements)
+    if not isinstance(out, torch.Tensor) or out.numel() != given:
+        got = out.numel() if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"an elementwise transform should return a tensor of as many elements as it "
+            f"is given ({given}, a run of the parameter's elements), got {got}"
+        )
+    return out
+
+
+def _row_slice(target: ModelTarget, piece: Piece) -> Slice | None:
+    """`piece`'s slice where it may land as a row of a block (`row_groups`): a whole
+    slice of a parameter received into the buffer, not in place."""
+    s = piece.slice
+    if target.direct[s.param] or piece.start != 0 or piece.nbytes != s.nbytes:
+        return None
+    return s
+
+
+def _row_groups(target: ModelTarget, slices: list[Slice | None]) -> list[tuple[int, int, int]]:
+    """`row_groups` of `slices`, each run of rows cut back to single slices unless its
+    rows and their distance are whole elements of the parameter."""
+    out: list[tuple[int, int, int]] = []
+    for first, rows, stride in row_groups(slices):
+        s = slices[first]
+        size = target.plan.params[s.param].dtype.itemsize if s is not None else 1
+        if rows == 1 or s is None or (s.start | s.nbytes | stride) % size == 0:
+            out.append((first, rows, stride))
+        else:
+            out.extend((first + r, 1, 0) for r in range(rows))
+    return out
+
+
+def _land_rows(
+    target: ModelTarget, buffer: torch.Tensor | None, first: Slice, rows: int, stride: int
+) -> None:
+    """Transform (if there is a transform) and land `rows` row slices from `first`
+    on, back to back in `buffer` and `stride` bytes apart in the parameter (a
+    `Shard(1)` block of owner senders), in one strided copy instead of one per row."""
+    meta = target.plan.params[first.param]
+    size = meta.dtype.itemsize
+    flat = target.params[meta.name].data.view(-1)
+    run = first.nbytes // size
+    at = flat.storage_offset() + first.start // size
+    destination = flat.as_strided((rows, run), (stride // size, 1), at)
+    assert buffer is not None
+    elements = buffer[first.offset : first.offset + rows * first.nbytes].view(meta.dtype)
+    if target.transform is not None:
+        elements = _elementwise(target.transform, meta.name, elements)
+    with torch.no_grad():
+        destination.copy_(elements.reshape(rows, run), non_blocking=True)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
