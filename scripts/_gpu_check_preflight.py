@@ -156,21 +156,64 @@ def _refs_in(node: ast.AST, names: dict[str, Ref], package: str) -> set[Ref]:
     return refs
 
 
+def _defined_name(node: ast.stmt) -> str | None:
+    """The name a top-level function, class or `NAME = ...` defines."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+        return target.id if isinstance(target, ast.Name) else None
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return node.target.id
+    return None
+
+
 def discover(paths: Iterable[Path]) -> dict[Ref, set[str]]:
-    """Every reference in `paths`, with the checks that need it (`ALL`: every one)."""
+    """Every reference in `paths`, with the checks that need it (`ALL`: every one).
+
+    A check needs what its function holds and what the top-level functions, classes
+    and constants it names hold, in turn (the helpers of `_gpu_check_core`, a probe's
+    code string); what no check reaches, and every top-level import (each check's
+    child imports every check module), is `ALL`'s.
+    """
+    defs: dict[str, tuple[set[Ref], set[str]]] = {}
+    checks: dict[str, str] = {}
     owners: dict[Ref, set[str]] = {}
     for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
         package = path.parent.name
-        checks = check_names(tree)
+        checks.update(check_names(tree))
         module_names: dict[str, Ref] = {}
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 module_names.update((b, r) for b, r in _imports(node, package) if b)
         for node in tree.body:
-            owner = checks.get(node.name, ALL) if isinstance(node, ast.FunctionDef) else ALL
-            for ref in _refs_in(node, module_names, package):
-                owners.setdefault(ref, set()).add(owner)
+            refs = _refs_in(node, module_names, package)
+            name = _defined_name(node)
+            if name is None:
+                for ref in refs:
+                    owners.setdefault(ref, set()).add(ALL)
+                continue
+            used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - {name}
+            old_refs, old_used = defs.get(name, (set(), set()))
+            defs[name] = (old_refs | refs, old_used | used)
+    reached: set[str] = set()
+    for function, check_name in checks.items():
+        todo, seen = [function], set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in defs:
+                continue
+            seen.add(name)
+            refs, used = defs[name]
+            for ref in refs:
+                owners.setdefault(ref, set()).add(check_name)
+            todo.extend(used)
+        reached |= seen
+    for name, (refs, _) in defs.items():
+        if name not in reached:
+            for ref in refs:
+                owners.setdefault(ref, set()).add(ALL)
     return owners
 
 
