@@ -83,14 +83,14 @@ PERF_PARAM_BYTES = 256 << 20
 
 
 def perf_model(device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
-    """A bf16 model of `GPU_CHECK_PERF_GIB` GiB (default 8) in 256 MiB parameters:
-    zeros, or normal values from `seed` (the trainer's, made on `device` at once)."""
-    gib = float(os.environ.get("GPU_CHECK_PERF_GIB", "8"))
-    count = max(1, round(gib * 2**30 / PERF_PARAM_BYTES))
+    """A bf16 model of `GPU_CHECK_PERF_GIB` GiB (default 8) in 256 MiB parameters (one
+    parameter below that): zeros, or normal values from `seed` (the trainer's)."""
+    total = int(float(os.environ.get("GPU_CHECK_PERF_GIB", "8")) * 2**30)
+    each = max(1 << 20, min(PERF_PARAM_BYTES, total))  # a smaller model: one smaller parameter
     params = nn.ParameterList()
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    for _ in range(count):
-        shape = (4096, PERF_PARAM_BYTES // 2 // 4096)
+    for _ in range(max(1, round(total / each))):
+        shape = (4096, each // 2 // 4096)
         if generator is None:
             value = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         else:

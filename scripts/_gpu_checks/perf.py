@@ -154,10 +154,12 @@ def perf_rounds(
     make_info: Callable[[int], Any],
     device_pool: bool,
     gemm: GemmLoop | None = None,
+    device: str = "cuda",
 ) -> None:
-    """Rounds of the perf model over `make_info(bucket_bytes)`'s backend at each size
-    of `BUCKETS_MIB`; the last round verified bit-exact. `device_pool`: the backend
-    stages on the device (its pool, `num_buffers x bucket`, is expected there)."""
+    """Rounds of the perf model, made on `device`, over `make_info(bucket_bytes)`'s
+    backend at each size of `BUCKETS_MIB`; the last round verified bit-exact.
+    `device_pool`: the backend stages on the device (its pool, `num_buffers x
+    bucket`, is expected there). On the CPU (the unit test) no memory is measured."""
     import gc
 
     import torch
@@ -165,7 +167,8 @@ def perf_rounds(
 
     from asyncwt import HttpClient, ModuleSource, trainer_init
 
-    model = perf_model(device="cuda", seed=0)
+    cuda = torch.device(device).type == "cuda"
+    model = perf_model(device=device, seed=0)
     figures["model_gib"] = round(sum(p.nbytes for p in model.parameters()) / 2**30, 2)
     if gemm is not None:
         figures["gemm_solo_tflops"] = gemm.solo(GEMM_SOLO_S)
@@ -175,10 +178,12 @@ def perf_rounds(
         async with HttpClient(url) as client:
             for mib in BUCKETS_MIB:
                 info = make_info(mib << 20)
-                gc.collect()
-                torch.cuda.synchronize()
-                held = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                held = 0
+                if cuda:
+                    gc.collect()
+                    torch.cuda.synchronize()
+                    held = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 engine = await trainer_init(info, client=client, source=ModuleSource(model))
                 rates, lag = [], 0.0
                 async with engine:
@@ -192,7 +197,7 @@ def perf_rounds(
                     if gemm is not None and mib == max(BUCKETS_MIB):
                         version = f"{label}-{mib}-gemm"
                         figures["gemm_beside_tflops"] = await rounds_beside(engine, gemm, version)
-                    peak = torch.cuda.max_memory_allocated() - held
+                    peak = torch.cuda.max_memory_allocated() - held if cuda else 0
                 figures[f"{mib}mib_gbps"] = round(statistics.median(rates), 2)
                 figures[f"{mib}mib_lag_ms"] = round(lag * 1e3, 1)
                 figures[f"{mib}mib_extra_device_mib"] = round(peak / 2**20)
