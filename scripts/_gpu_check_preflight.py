@@ -127,11 +127,17 @@ def _code_strings(node: ast.AST) -> Iterator[ast.Module]:
                     yield code
 
 
+WORKER_MAIN = "asyncwt._cli.main"
+"""What every worker child runs (`python -m asyncwt worker`)."""
+
+
 def _worker_specs(node: ast.AST) -> Iterator[Ref]:
-    """The factory and backend of every `workers((FACTORY, BACKEND, ...), ...)` call."""
+    """The worker command's module, and the factory and backend of every
+    `workers((FACTORY, BACKEND, ...), ...)` call."""
     for sub in ast.walk(node):
         if not (isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "workers"):
             continue
+        yield Ref(WORKER_MAIN)
         for spec in sub.args:
             if not isinstance(spec, ast.Tuple) or len(spec.elts) < 2:
                 continue  # built at run time: its parts are read where they are written
@@ -168,6 +174,31 @@ def _defined_name(node: ast.stmt) -> str | None:
     return None
 
 
+def _module_key(path: Path) -> str:
+    """The name a source file is imported by (`_gpu_checks.perf`, `_gpu_check_core`)."""
+    if path.parent.name == "_gpu_checks":
+        return f"_gpu_checks.{path.stem}"
+    return path.stem
+
+
+def _uses(
+    node: ast.stmt, key: str, local: dict[str, tuple[str, str]], mods: dict[str, str]
+) -> set[tuple[str, str]]:
+    """The (module, name) definitions `node` names: its own module's, those imported by
+    name from a source module, and `alias.NAME` of a source module imported whole."""
+    used = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            used.add(local.get(sub.id, (key, sub.id)))
+        elif (
+            isinstance(sub, ast.Attribute)
+            and isinstance(sub.value, ast.Name)
+            and sub.value.id in mods
+        ):
+            used.add((mods[sub.value.id], sub.attr))
+    return used
+
+
 def discover(paths: Iterable[Path]) -> dict[Ref, set[str]]:
     """Every reference in `paths`, with the checks that need it (`ALL`: every one).
 
@@ -176,42 +207,53 @@ def discover(paths: Iterable[Path]) -> dict[Ref, set[str]]:
     code string); what no check reaches, and every top-level import (each check's
     child imports every check module), is `ALL`'s.
     """
-    defs: dict[str, tuple[set[Ref], set[str]]] = {}
-    checks: dict[str, str] = {}
+    paths = list(paths)
+    keys = {_module_key(path) for path in paths}
+    defs: dict[tuple[str, str], tuple[set[Ref], set[tuple[str, str]]]] = {}
+    checks: dict[tuple[str, str], str] = {}
     owners: dict[Ref, set[str]] = {}
     for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
-        package = path.parent.name
-        checks.update(check_names(tree))
+        key = _module_key(path)
+        checks.update(((key, f), name) for f, name in check_names(tree).items())
         module_names: dict[str, Ref] = {}
+        local: dict[str, tuple[str, str]] = {}  # `from SOURCE import NAME`
+        mods: dict[str, str] = {}  # `import SOURCE [as ALIAS]`
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                module_names.update((b, r) for b, r in _imports(node, package) if b)
+                for bound, ref in _imports(node, path.parent.name):
+                    if not bound:
+                        continue
+                    module_names[bound] = ref
+                    if ref.attrs and ref.module in keys:
+                        local[bound] = (ref.module, ref.attrs[0])
+                    elif not ref.attrs and ref.module in keys:
+                        mods[bound] = ref.module
         for node in tree.body:
-            refs = _refs_in(node, module_names, package)
+            refs = _refs_in(node, module_names, path.parent.name)
             name = _defined_name(node)
             if name is None:
                 for ref in refs:
                     owners.setdefault(ref, set()).add(ALL)
                 continue
-            used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} - {name}
-            old_refs, old_used = defs.get(name, (set(), set()))
-            defs[name] = (old_refs | refs, old_used | used)
-    reached: set[str] = set()
+            used = _uses(node, key, local, mods) - {(key, name)}
+            old_refs, old_used = defs.get((key, name), (set(), set()))
+            defs[key, name] = (old_refs | refs, old_used | used)
+    reached: set[tuple[str, str]] = set()
     for function, check_name in checks.items():
         todo, seen = [function], set()
         while todo:
-            name = todo.pop()
-            if name in seen or name not in defs:
+            at = todo.pop()
+            if at in seen or at not in defs:
                 continue
-            seen.add(name)
-            refs, used = defs[name]
+            seen.add(at)
+            refs, used = defs[at]
             for ref in refs:
                 owners.setdefault(ref, set()).add(check_name)
             todo.extend(used)
         reached |= seen
-    for name, (refs, _) in defs.items():
-        if name not in reached:
+    for at, (refs, _) in defs.items():
+        if at not in reached:
             for ref in refs:
                 owners.setdefault(ref, set()).add(ALL)
     return owners
