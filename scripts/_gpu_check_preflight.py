@@ -309,7 +309,8 @@ def probe(refs: Sequence[Ref], hooks: Sequence[str]) -> dict[str, Any]:
                     hook()
             except BaseException as exc:  # noqa: BLE001 - every failure is reported
                 error = "".join(traceback.format_exception_only(exc)).strip()
-                failures.append({"what": f"check {name}'s preflight", "error": error})
+                what = f"check {name}'s preflight"
+                failures.append({"what": what, "error": error, "check": name})
     return {"failures": failures, "versions": versions()}
 
 

@@ -417,3 +417,21 @@ def test_perf_rounds_fill_the_figures_the_targets_read(
     results = {"perf-tcp": _result(**figures), "limits": _result(**LIMITS)}
     verdicts = {r["figure"]: r["verdict"] for r in report.judge(results)}
     assert "unjudged" not in verdicts.values()
+
+
+def test_a_preflight_failure_blocks_only_the_checks_that_need_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = _load_script(monkeypatch)
+    failures = [
+        {"what": "asyncwt._trainer.base.pipeline", "error": "AttributeError: x", "blocks": ["a"]},
+        {"what": "backend 'shm'", "error": "LookupError: y", "blocks": ["a", "b"]},
+    ]
+    assert module.blocked_by(failures) == {
+        "a": "preflight: asyncwt._trainer.base.pipeline: AttributeError: x",
+        "b": "preflight: backend 'shm': LookupError: y",
+    }
+    assert module.group_failures(failures) == [
+        ("AttributeError: x", ["asyncwt._trainer.base.pipeline"], ["a"]),
+        ("LookupError: y", ["backend 'shm'"], ["a", "b"]),
+    ]
