@@ -69,6 +69,8 @@ def _zstandard() -> ModuleType:
     nothing beyond torch, anyio, aiohttp and xxhash (a GPU image without zstandard
     still runs them)."""
     return importlib.import_module("zstandard")
+
+
 CODING_THREADS = 2
 """Threads that compare a bucket's pieces with the previous bytes (the caller hashes it)."""
 PIECE_BYTES = 2 << 20

@@ -16,7 +16,6 @@ them against the targets (`_gpu_check_report.TARGETS`).
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 from _gpu_check_core import Figures, check, run_async, verify, with_lag_probe, workers
 
 PERF_GIB_ENV = "GPU_CHECK_PERF_GIB"
+"""The perf model's size in GiB (read by `_gpu_check_models.perf_model`; default 8)."""
 BUCKETS_MIB = (64, 256)
 TIMED = 2
 """Timed rounds per bucket size (after one untimed); the figure is their median."""
@@ -87,11 +87,6 @@ def limits(figures: Figures) -> None:
     figures["tcp_raw_gbps"] = round(raw["gbps"], 2)
 
 
-def perf_gib() -> float:
-    """The perf model's size in GiB (`GPU_CHECK_PERF_GIB`, default 8)."""
-    return float(os.environ.get(PERF_GIB_ENV, "8"))
-
-
 class GemmLoop:
     """bf16 GEMMs back to back on a stream of their own, in a thread; their rate."""
 
@@ -104,6 +99,8 @@ class GemmLoop:
         self.c = torch.empty_like(self.a)
         self.stream = torch.cuda.Stream()
         self.flops = 2 * n**3
+        torch.mm(self.a, self.b, out=self.c)  # cuBLAS's handle and workspace, not timed
+        torch.cuda.synchronize()
 
     def run(self, stop: Callable[[], bool]) -> float:
         """GEMMs until `stop()`; TFLOP/s."""
