@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu-check"
-CHECK_NAMES = [
+CHECK_NAMES = [  # these, in this order; checks added in scripts/_gpu_checks/ go among them
     "cuda-tests",
     "caller-fence",
     "nccl-world1",
@@ -71,26 +71,37 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_list_names_every_check_once_with_a_description() -> None:
+def _registered(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every check's name, in run order (the registry's)."""
+    return [c.name for c in _load_script(monkeypatch).core.ordered_checks()]
+
+
+def test_list_names_every_check_once_with_a_description(monkeypatch: pytest.MonkeyPatch) -> None:
     done = _run("--list")
     assert done.returncode == 0, done.stderr
     rows = [line.split(None, 1) for line in done.stdout.splitlines()]
-    assert [row[0] for row in rows] == CHECK_NAMES
+    names = [row[0] for row in rows]
+    assert names == _registered(monkeypatch)
+    assert [name for name in names if name in CHECK_NAMES] == CHECK_NAMES
+    assert len(set(names)) == len(names)
     assert all(len(row) == 2 and len(row[1]) > 20 for row in rows)
 
 
-def test_without_cuda_every_check_is_reported_not_run(tmp_path: Path) -> None:
+def test_without_cuda_every_check_is_reported_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     done = _run("--out", str(tmp_path))
     assert done.returncode == 3, done.stdout + done.stderr
     assert re.search(r"^gpu-check: CUDA is not available: ", done.stdout, re.MULTILINE)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["exit_code"] == 3
-    assert list(report["checks"]) == CHECK_NAMES
+    names = _registered(monkeypatch)
+    assert list(report["checks"]) == names
     for result in report["checks"].values():
         assert result["outcome"] == "not-run (no CUDA)"
         assert result["error"] == "CUDA is not available: torch.cuda.is_available() is False"
     table = (tmp_path / "report.md").read_text()
-    for name in CHECK_NAMES:
+    for name in names:
         assert re.search(rf"^\| {re.escape(name)} \| not-run \(no CUDA\) \|", table, re.MULTILINE)
 
 
@@ -104,12 +115,13 @@ def test_without_cuda_only_the_selected_checks_are_reported(tmp_path: Path) -> N
 def test_only_with_an_unknown_name_names_it_and_the_known_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    known = ", ".join(CHECK_NAMES)
+    module = _load_script(monkeypatch)
+    known = ", ".join(c.name for c in module.core.ordered_checks())
     with pytest.raises(
         ValueError,
         match=rf"^unknown check 'nccl-world2' in --only; known checks: {re.escape(known)}$",
     ):
-        _load_script(monkeypatch).select_checks("cuda-tests,nccl-world2")
+        module.select_checks("cuda-tests,nccl-world2")
 
 
 def test_only_with_an_unknown_name_exits_with_a_usage_error() -> None:
