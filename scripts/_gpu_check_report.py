@@ -176,6 +176,13 @@ def markdown(env: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]]) -
         "",
         "Outcomes: " + ", ".join(f"{n} {k}" for k, n in counts.items()),
         "",
+    ]
+    checked = env.get("preflight")
+    if checked:
+        wheels = ", ".join(f"{w['wheel']} ({w['status']})" for w in checked["wheels"]) or "none"
+        said = "passed" if checked["ok"] else f"{len(checked['failures'])} failure(s)"
+        lines += [f"Preflight: {said}; wheels: {wheels}", ""]
+    lines += [
         "| check | outcome | seconds | key figures | error |",
         "| --- | --- | --- | --- | --- |",
     ]

@@ -391,8 +391,12 @@ def test_a_missed_target_fails_a_passing_check_and_the_report_shows_it(
         "missed targets: 64mib_gbps = 4.0 (0.5x raw loopback TCP, needs >= 0.85x)"
     )
     assert results["perf-shm"]["outcome"] == "error"  # its own outcome stands
-    report.write(tmp_path, {"torch": "2.11.0"}, results)
+    wheel = {"wheel": "zstandard-0.25.0-cp312.whl", "status": "installed"}
+    checked = {"ok": True, "wheels": [wheel], "versions": {}, "failures": []}
+    report.write(tmp_path, {"torch": "2.11.0", "preflight": checked}, results)
     table = (tmp_path / "report.md").read_text()
+    assert table.splitlines()[2] == "torch: 2.11.0"
+    assert "\nPreflight: passed; wheels: zstandard-0.25.0-cp312.whl (installed)\n" in table
     assert re.search(
         r"^\| perf-tcp \| 64mib_gbps \| 4.0 \| raw loopback TCP \| 8.0 \| 0.5 \| >= 0.85x \| below \|$",
         table,
