@@ -152,11 +152,13 @@ def perf_rounds(
     device_pool: bool,
     gemm: GemmLoop | None = None,
     device: str = "cuda",
+    inspect: Callable[[Any], Figures] | None = None,
 ) -> None:
     """Rounds of the perf model, made on `device`, over `make_info(bucket_bytes)`'s
     backend at each size of `BUCKETS_MIB`; the last round verified bit-exact.
     `device_pool`: the backend stages on the device (its pool, `num_buffers x
-    bucket`, is expected there). On the CPU (the unit test) no memory is measured."""
+    bucket`, is expected there). On the CPU (the unit test) no memory is measured.
+    `inspect(engine)`: figures read off the engine after each size's rounds."""
     import gc
 
     import torch
@@ -195,6 +197,8 @@ def perf_rounds(
                         version = f"{label}-{mib}-gemm"
                         figures["gemm_beside_tflops"] = await rounds_beside(engine, gemm, version)
                     peak = torch.cuda.max_memory_allocated() - held if cuda else 0
+                    if inspect is not None:
+                        figures.update((f"{mib}mib_{k}", v) for k, v in inspect(engine).items())
                 figures[f"{mib}mib_gbps"] = round(statistics.median(rates), 2)
                 figures[f"{mib}mib_lag_ms"] = round(lag * 1e3, 1)
                 figures[f"{mib}mib_extra_device_mib"] = round(peak / 2**20)
@@ -234,8 +238,11 @@ def perf_shm(figures: Figures) -> None:
     def info(bucket: int) -> Any:
         return ShmTrainerInitInfo(rank=0, device="cuda", bucket_bytes=bucket)
 
+    def direct(engine: Any) -> Figures:  # whether the worker read the trainer's memory
+        return {"direct": engine.transport.direct}
+
     with workers(("perf_cpu", "shm")) as (url,):
-        perf_rounds(figures, "shm", url, info, device_pool=False)
+        perf_rounds(figures, "shm", url, info, device_pool=False, inspect=direct)
 
 
 @check("perf-gloo", describe("torch_dist on gloo"), timeout_s=90, group="perf")
