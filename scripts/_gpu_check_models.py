@@ -7,6 +7,8 @@ returns a model whose weights differ from what the trainer will send.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -74,3 +76,44 @@ def negate(model: nn.Module) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.neg_()
+
+
+PERF_PARAM_BYTES = 256 << 20
+"""The perf model's parameters: bf16, 256 MiB each (a 4096 x 32768 matrix)."""
+
+
+def perf_model(device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
+    """A bf16 model of `GPU_CHECK_PERF_GIB` GiB (default 8) in 256 MiB parameters (one
+    parameter below that): zeros, or normal values from `seed` (the trainer's)."""
+    total = int(float(os.environ.get("GPU_CHECK_PERF_GIB", "8")) * 2**30)
+    each = max(1 << 20, min(PERF_PARAM_BYTES, total))  # a smaller model: one smaller parameter
+    params = nn.ParameterList()
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    for _ in range(max(1, round(total / each))):
+        shape = (4096, each // 2 // 4096)
+        if generator is None:
+            value = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        else:
+            value = torch.randn(shape, generator=generator, dtype=torch.bfloat16, device=device)
+        params.append(nn.Parameter(value, requires_grad=False))
+    model = nn.Module()
+    model.params = params
+    return model
+
+
+def perf_cpu() -> nn.Module:
+    """The perf model on the CPU: the worker of a CUDA trainer over tcp, shm and gloo."""
+    return perf_model()
+
+
+def perf_cuda() -> nn.Module:
+    """The perf model on the worker's current GPU: the worker of `cuda_ipc`."""
+    return perf_model(device="cuda")
+
+
+class Flat(nn.Module):
+    """One uint8 parameter of `nbytes` bytes (what the memcpy limit copies)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.data = nn.Parameter(torch.ones(nbytes, dtype=torch.uint8), requires_grad=False)

@@ -20,14 +20,16 @@ the plan before a byte of the body is read or allocated.
 from __future__ import annotations
 
 import enum
+import functools
+import importlib
 import struct
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import xxhash
-import zstandard
 
 from .._core.bytes import byte_view, empty_bytes
 from .._core.errors import ProtocolError
@@ -58,6 +60,17 @@ RAW_FRACTION = 0.75
 """A coded body must be at most this fraction of the payload, else the bucket
 goes raw: decoding a body that saves little costs more than it saves."""
 ZSTD_LEVEL = 1
+
+
+@functools.cache
+def _zstandard() -> ModuleType:
+    """The `zstandard` module, imported when a delta round first compresses or
+    decompresses a body, not with asyncwt: `import asyncwt` and full rounds need
+    nothing beyond torch, anyio, aiohttp and xxhash (a GPU image without zstandard
+    still runs them)."""
+    return importlib.import_module("zstandard")
+
+
 CODING_THREADS = 2
 """Threads that compare a bucket's pieces with the previous bytes (the caller hashes it)."""
 PIECE_BYTES = 2 << 20
@@ -269,7 +282,7 @@ def _encoded(
         coded: bytes = bytes(byte_view(sparse))
         encoding = Encoding.SPARSE
         if len(coded) >= ZSTD_MIN_BYTES:
-            packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(coded)
+            packed = _zstandard().ZstdCompressor(level=ZSTD_LEVEL).compress(coded)
             if len(packed) < len(coded):
                 coded, encoding = packed, Encoding.ZSPARSE
         return Encoded(DeltaHeader(encoding, len(coded), count, digest), coded)
@@ -318,6 +331,7 @@ def _sparse_bytes(header: DeltaHeader, body: memoryview, size: int) -> torch.Ten
         out = torch.empty(size, dtype=torch.uint8)
         view = byte_view(out)
         got = 0
+        zstandard = _zstandard()
         try:
             with zstandard.ZstdDecompressor().stream_reader(body) as reader:
                 while got < size:
