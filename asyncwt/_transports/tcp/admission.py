@@ -1,0 +1,232 @@
+"""Admission at a chain worker's relay listener: many handshakes at once, each bounded.
+
+The worker side is synchronous (vLLM calls `update_weights` from a thread), so the
+listener cannot lean on the event loop. `Admission.run` drives every pending
+connection's handshake from one `selectors` loop (epoll: no limit on descriptor
+numbers, unlike `select()`): a connection only costs a few bytes of state while
+it waits, a slow one never holds up a fast one, and each has `HANDSHAKE_S` for
+its whole handshake, not per read. At most `MAX_PENDING` wait at once (the one
+waiting longest goes first). The control link is watched meanwhile (an ABORT of
+the round ends the wait), and so is a wake-up pair that `abandon` and `close`
+write to from other threads. Every connection not admitted is closed on the way
+out, whatever ends the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..._core.errors import AsyncwtError, TransferAbortedError
+from ..wire import (
+    HELLO_SIZE,
+    PROOF_SIZE,
+    HandshakeStatus,
+    pack_challenge,
+    pack_result,
+    proof_is_valid,
+    unpack_hello,
+)
+
+__all__ = ["HANDSHAKE_S", "MAX_PENDING", "Admission", "Handshake"]
+
+HANDSHAKE_S = 2.0
+"""Seconds a connection has for its whole handshake: a real peer needs two round trips."""
+MAX_PENDING = 32
+"""Connections whose handshake may be in flight at once."""
+
+
+class Handshake:
+    """The listening side of one connection's handshake, fed as bytes arrive
+    (sans-I/O but for the two small non-blocking sends).
+
+    `feed` returns None while more bytes are needed, True once the peer proved
+    `secret` and the plan `digest` (RESULT OK sent), False when it failed.
+    """
+
+    def __init__(self, sock: socket.socket, secret: str, digest: bytes, deadline: float) -> None:
+        self.sock = sock
+        self.secret = secret
+        self.digest = digest
+        self.deadline = deadline
+        self._buffer = b""
+        self._hello: tuple[bytes, bytes] | None = None
+        self._own = secrets.token_bytes(32)
+
+    def feed(self) -> bool | None:
+        data = self.sock.recv(HELLO_SIZE + PROOF_SIZE)
+        if not data:
+            return False
+        self._buffer += data
+        if self._hello is None:
+            if len(self._buffer) < HELLO_SIZE:
+                return None
+            hello, self._buffer = self._buffer[:HELLO_SIZE], self._buffer[HELLO_SIZE:]
+            self._hello = unpack_hello(hello)
+            self._send(pack_challenge(self.secret, self._hello[0], self._own, self.digest))
+        if len(self._buffer) < PROOF_SIZE:
+            return None
+        if len(self._buffer) > PROOF_SIZE:
+            return False  # a real peer waits for RESULT before it sends anything else
+        nonce, peer_digest = self._hello
+        if not proof_is_valid(self.secret, nonce, self._own, self.digest, self._buffer):
+            status = HandshakeStatus.BAD_PROOF
+        elif peer_digest != self.digest:
+            status = HandshakeStatus.PLAN_MISMATCH
+        else:
+            status = HandshakeStatus.OK
+        self._send(pack_result(status))
+        return status == HandshakeStatus.OK
+
+    def _send(self, data: bytes) -> None:
+        """A peer that follows the handshake reads everything before it writes again,
+        so its socket takes these few bytes at once; one that does not is dropped."""
+        if self.sock.send(data) != len(data):
+            raise ConnectionError("the peer does not read its handshake")
+
+
+class Admission:
+    """Serves a listener's pending handshakes concurrently (see the module)."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._lock = threading.Lock()
+        self._stopped: str | None = None
+        """Why the running wait must end (`abandon`, `close`); None while it may go on."""
+        self._closed = False
+        self._running = False
+        """Whether `run` is under way (it then closes the sockets once `close` ran)."""
+
+    def run(
+        self,
+        secret: str,
+        digest: bytes,
+        deadline: float,
+        control: socket.socket,
+        on_control: Callable[[], None],
+    ) -> socket.socket | None:
+        """The first connection that proves `secret` (a blocking socket), or None at
+        `deadline`. `on_control` runs when `control` is readable (it raises to end
+        the wait); `abandon` or `close` from another thread end it with
+        `TransferAbortedError`."""
+        with self._lock:
+            if self._closed:
+                raise TransferAbortedError("the relay listener is closed", buckets_received=0)
+            self._stopped = None
+            self._running = True
+            self._drain_wake()
+        pending: dict[socket.socket, Handshake] = {}
+        selector = selectors.DefaultSelector()
+        try:
+            for sock in (self.listener, control, self._wake_r):
+                selector.register(sock, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, h in pending.items() if h.deadline <= now]:
+                    _drop(selector, pending, conn)
+                if now >= deadline:
+                    return None
+                wait = min([deadline, *(h.deadline for h in pending.values())]) - now
+                for key, _ in selector.select(wait):
+                    ready = key.fileobj
+                    if ready is self._wake_r:
+                        raise TransferAbortedError(
+                            f"the relay listener stopped waiting: {self._stopped}",
+                            buckets_received=0,
+                        )
+                    if ready is control:
+                        on_control()
+                    elif ready is self.listener:
+                        self._accept(selector, pending, secret, digest)
+                    elif isinstance(ready, socket.socket) and ready in pending:
+                        outcome = _step(pending[ready])
+                        if outcome is False:
+                            _drop(selector, pending, ready)
+                        elif outcome:
+                            selector.unregister(ready)
+                            del pending[ready]
+                            ready.setblocking(True)
+                            ready.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                            return ready
+        finally:
+            for conn in pending:
+                conn.close()
+            selector.close()
+            with self._lock:
+                self._running = False
+                if self._closed:
+                    self._release()
+
+    def _accept(
+        self,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, Handshake],
+        secret: str,
+        digest: bytes,
+    ) -> None:
+        """Take every connection waiting in the backlog; past `MAX_PENDING`, the one
+        that has waited longest goes."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # a connection reset before it was taken, or descriptors ran out
+            conn.setblocking(False)
+            if len(pending) >= MAX_PENDING:
+                _drop(selector, pending, next(iter(pending)))
+            pending[conn] = Handshake(conn, secret, digest, time.monotonic() + HANDSHAKE_S)
+            selector.register(conn, selectors.EVENT_READ)
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(64):
+                pass
+
+    def stop(self, why: str) -> None:
+        """End a running `run` (from any thread); a later `run` starts afresh."""
+        with self._lock:
+            self._stopped = why
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+
+    def close(self) -> None:
+        """End a running `run` for good and close the listener."""
+        self.stop("the engine shut down")
+        with self._lock:
+            self._closed = True
+            if not self._running:
+                self._release()
+
+    def _release(self) -> None:
+        self.listener.close()
+        self._wake_w.close()
+        self._wake_r.close()
+
+
+def _step(handshake: Handshake) -> bool | None:
+    """Advance one handshake: True admitted, False failed, None not done yet."""
+    try:
+        return handshake.feed()
+    except (BlockingIOError, InterruptedError):
+        return None
+    except (OSError, AsyncwtError):
+        return False  # a stranger, or a connection left over from another round
+
+
+def _drop(
+    selector: selectors.BaseSelector, pending: dict[socket.socket, Handshake], conn: socket.socket
+) -> None:
+    with contextlib.suppress(KeyError, ValueError, OSError):
+        selector.unregister(conn)
+    pending.pop(conn, None)
+    conn.close()
