@@ -104,9 +104,10 @@ class Pool:
             env=worker_env(),
         )
 
-    def take(self) -> Worker:
+    def take(self, fds: int = 0) -> Worker:
+        """A fresh worker; `fds`: how many more descriptors it holds open."""
         assert self.forker.stdin is not None
-        self.forker.stdin.write("\n")
+        self.forker.stdin.write(f"fds={fds}\n" if fds else "\n")
         self.forker.stdin.flush()
         pid, url = read_line(self.forker, 120).split()  # type: ignore[arg-type]
         return Worker(int(pid), url)
