@@ -8,6 +8,7 @@ SIGTERM stops the attacked worker promptly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -15,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import _models
 import anyio
@@ -23,17 +25,26 @@ import torch
 from _faults import FaultySource, wait_until
 from test_chain import Pool, Worker, assert_holds, chain_info, chain_of
 
-from asyncwt import AsyncwtError, AuthenticationError, HttpClient, trainer_init
+from asyncwt import (
+    AsyncwtError,
+    AuthenticationError,
+    HttpClient,
+    TransferAbortedError,
+    trainer_init,
+)
 from asyncwt._transports.sockio import recv_exact
+from asyncwt._transports.tcp.admission import MAX_PENDING, Admission
 from asyncwt._transports.tcp.chain import ChainSender
 from asyncwt._transports.tcp.trainer import TcpTrainerEngine
 from asyncwt._transports.wire import (
     CHALLENGE_SIZE,
+    HELLO_SIZE,
     RESULT_SIZE,
     Frame,
     FrameKind,
     check_result,
     digest_prefix,
+    edge_secret,
     pack_hello,
     pack_proof,
     verify_challenge,
@@ -215,3 +226,118 @@ async def test_a_token_holding_impostor_is_refused_at_the_tails_relay(pool: Pool
     for worker in workers:
         if not worker.gone():
             worker.kill()
+
+
+# -- in one process: the listener's admission loop ---------------------------------------
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class Running:
+    """`Admission.run` in a thread; what it returned or raised lands in `result`."""
+
+    def __init__(self, admission: Admission, secret: str, wait: float = 30.0) -> None:
+        self.control, self._peer = socket.socketpair()  # a control link that stays quiet
+        self.result: list[object] = []
+        deadline = time.monotonic() + wait
+        args = (secret, DIGEST, deadline, self.control, lambda: None)
+        self.thread = threading.Thread(target=self._run, args=(admission, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, admission: Admission, args: tuple[Any, ...]) -> None:
+        try:
+            self.result.append(admission.run(*args))
+        except TransferAbortedError as exc:
+            self.result.append(exc)
+
+    def outcome(self) -> object:
+        self.thread.join(10)
+        self.control.close()
+        self._peer.close()
+        (result,) = self.result
+        return result
+
+
+DIGEST = bytes(32)
+
+
+def _connect(port: int, first: bytes = b"A") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(first)
+    return sock
+
+
+def test_admission_caps_pending_and_closes_what_it_holds_on_abandon_and_close() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    admission = Admission(listener)
+    try:
+        running = Running(admission, "s")
+        conns = [_connect(port) for _ in range(MAX_PENDING + 4)]
+        # Past MAX_PENDING, the connections that waited longest are closed.
+        wait_until(lambda: all(_closed_by_peer(c) for c in conns[:4]), 10, "the oldest dropped")
+        assert not any(_closed_by_peer(c) for c in conns[4:])
+        admission.stop("a newer round began")  # what abandon() does
+        assert isinstance(running.outcome(), TransferAbortedError)
+        wait_until(lambda: all(_closed_by_peer(c) for c in conns[4:]), 10, "every one closed")
+        # The next run starts afresh and admits the peer that proves its secret.
+        running = Running(admission, edge_secret("t", b"k"))
+        peer = threading.Thread(target=lambda: conns.append(_prove(port, "t", b"k")))
+        peer.start()
+        peer.join(10)
+        admitted = running.outcome()
+        assert isinstance(admitted, socket.socket)
+        admitted.close()
+        # close() ends a running wait and the listener.
+        running = Running(admission, "s")
+        stranger = _connect(port)
+        admission.close()
+        assert isinstance(running.outcome(), TransferAbortedError)
+        wait_until(lambda: _closed_by_peer(stranger), 10, "the stranger closed")
+        assert listener.fileno() == -1
+        conns.append(stranger)
+    finally:
+        admission.close()
+        for conn in conns:
+            conn.close()
+
+
+def _prove(port: int, token: str, key: bytes) -> socket.socket:
+    """Pass the relay handshake with the round's `key`, as a predecessor does."""
+    plan_digest = DIGEST.hex()
+    nonce = secrets.token_bytes(32)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    secret = edge_secret(token, key)
+    sock.sendall(pack_hello(nonce, bytes.fromhex(plan_digest)))
+    theirs = verify_challenge(secret, nonce, DIGEST, recv_exact(sock, CHALLENGE_SIZE))
+    sock.sendall(pack_proof(secret, nonce, theirs, DIGEST))
+    check_result(recv_exact(sock, RESULT_SIZE))
+    return sock
+
+
+def test_a_handshake_is_bounded_as_a_whole_not_per_read() -> None:
+    """A connection that sends a byte every 0.3 s (each read makes progress) is
+    dropped before it has sent a whole HELLO."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    admission = Admission(listener)
+    running = Running(admission, "s")
+    sent = 0
+    try:
+        with _connect(listener.getsockname()[1]) as sock:
+            sent = 1
+            while not _closed_by_peer(sock) and sent < HELLO_SIZE:
+                time.sleep(0.3)
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"A")
+                sent += 1
+            assert sent < HELLO_SIZE
+    finally:
+        admission.close()
+        running.outcome()
