@@ -247,7 +247,7 @@ class Running:
         self.control, self._peer = socket.socketpair()  # a control link that stays quiet
         self.result: list[object] = []
         deadline = time.monotonic() + wait
-        args = (secret, DIGEST, deadline, self.control, lambda: None)
+        args = (secret, DIGEST, deadline, self.control, lambda: None, admission.stops)
         self.thread = threading.Thread(target=self._run, args=(admission, args), daemon=True)
         self.thread.start()
 

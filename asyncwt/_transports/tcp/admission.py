@@ -99,8 +99,9 @@ class Admission:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._lock = threading.Lock()
-        self._stopped: str | None = None
-        """Why the running wait must end (`abandon`, `close`); None while it may go on."""
+        self.stops = 0
+        """How many times `stop` ran: a wait begun at `epoch=stops` ends at the next."""
+        self._why = ""
         self._closed = False
         self._running = False
         """Whether `run` is under way (it then closes the sockets once `close` ran)."""
@@ -112,17 +113,17 @@ class Admission:
         deadline: float,
         control: socket.socket,
         on_control: Callable[[], None],
+        epoch: int,
     ) -> socket.socket | None:
         """The first connection that proves `secret` (a blocking socket), or None at
         `deadline`. `on_control` runs when `control` is readable (it raises to end
-        the wait); `abandon` or `close` from another thread end it with
-        `TransferAbortedError`."""
+        the wait). A `stop` (or `close`) after `stops` read `epoch` ends it with
+        `TransferAbortedError`, even one that came before the wait began."""
         with self._lock:
-            if self._closed:
-                raise TransferAbortedError("the relay listener is closed", buckets_received=0)
-            self._stopped = None
-            self._running = True
             self._drain_wake()
+            if self._closed or self.stops != epoch:
+                raise self._stopped_error()
+            self._running = True
         pending: dict[socket.socket, Handshake] = {}
         selector = selectors.DefaultSelector()
         try:
@@ -138,10 +139,7 @@ class Admission:
                 for key, _ in selector.select(wait):
                     ready = key.fileobj
                     if ready is self._wake_r:
-                        raise TransferAbortedError(
-                            f"the relay listener stopped waiting: {self._stopped}",
-                            buckets_received=0,
-                        )
+                        raise self._stopped_error()
                     if ready is control:
                         on_control()
                     elif ready is self.listener:
@@ -192,12 +190,19 @@ class Admission:
             while self._wake_r.recv(64):
                 pass
 
+    def _stopped_error(self) -> TransferAbortedError:
+        return TransferAbortedError(
+            f"the relay listener stopped waiting: {self._why}", buckets_received=0
+        )
+
     def stop(self, why: str) -> None:
-        """End a running `run` (from any thread); a later `run` starts afresh."""
+        """End the running `run`, or the one of the current epoch (from any thread)."""
         with self._lock:
-            self._stopped = why
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"x")
+            self.stops += 1
+            self._why = why
+            if not self._closed:
+                with contextlib.suppress(OSError):
+                    self._wake_w.send(b"x")
 
     def close(self) -> None:
         """End a running `run` for good and close the listener."""

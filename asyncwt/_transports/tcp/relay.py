@@ -135,15 +135,15 @@ class RelayListener:
         self.admission = Admission(self.sock)
 
     def accept(
-        self, control: WorkerLink, round_id: int, key: bytes, timeout: float
+        self, control: WorkerLink, round_id: int, key: bytes, timeout: float, epoch: int
     ) -> socket.socket:
         """The predecessor's authenticated connection for `round_id`: the one that
         proves the round's key for this edge (`edge_secret`), which only the trainer
         and the predecessor it named hold.
 
         Waits at most `timeout` seconds; every other connection is refused or closed
-        (see `Admission`). An ABORT of this round on the control link, or `abandon`,
-        ends the wait (`TransferAbortedError`).
+        (see `Admission`). An ABORT of this round on the control link, or `abandon`
+        since the round began (`epoch`), ends the wait (`TransferAbortedError`).
         """
 
         def on_control() -> None:
@@ -153,7 +153,7 @@ class RelayListener:
 
         secret = edge_secret(self.token, key)
         deadline = time.monotonic() + timeout
-        conn = self.admission.run(secret, self.digest, deadline, control.sock, on_control)
+        conn = self.admission.run(secret, self.digest, deadline, control.sock, on_control, epoch)
         if conn is None:
             raise TransferTimeoutError(
                 f"round {round_id}: no predecessor connected to this worker's relay "
@@ -273,6 +273,7 @@ class ChainReceiver(ReceiverTransport):
     def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         control, listener, info = self.control, self.listener, self.info
         assert control is not None and listener is not None
+        epoch = listener.admission.stops  # an abandon from now on ends this round's wait
         control.sock.settimeout(info.recv_timeout)
         with control.guard(round_id):  # a broken control link needs a new init
             control.send(Frame(FrameKind.READY, round_id, 0, control.digest, 0, 0))
@@ -293,7 +294,7 @@ class ChainReceiver(ReceiverTransport):
                     )
                 )
             upstream = self._track(
-                listener.accept(control, round_id, route.key_in, info.connect_timeout)
+                listener.accept(control, round_id, route.key_in, info.connect_timeout, epoch)
             )
             stream = _RelayLink(Tee(upstream, downstream), self.plan, info.recv_timeout)  # type: ignore[arg-type]
             yield from receive_buckets(stream, self.plan, self.pool, round_id, target)
