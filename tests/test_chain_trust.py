@@ -309,17 +309,47 @@ def test_admission_caps_pending_and_closes_what_it_holds_on_abandon_and_close() 
             conn.close()
 
 
-def _prove(port: int, token: str, key: bytes) -> socket.socket:
-    """Pass the relay handshake with the round's `key`, as a predecessor does."""
-    plan_digest = DIGEST.hex()
+def _hello(port: int) -> tuple[socket.socket, bytes]:
+    """A predecessor's connection, its HELLO sent; and its nonce."""
     nonce = secrets.token_bytes(32)
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(pack_hello(nonce, DIGEST))
+    return sock, nonce
+
+
+def _finish(sock: socket.socket, nonce: bytes, token: str, key: bytes) -> socket.socket:
+    """The rest of the relay handshake, proving the round's `key`."""
     secret = edge_secret(token, key)
-    sock.sendall(pack_hello(nonce, bytes.fromhex(plan_digest)))
     theirs = verify_challenge(secret, nonce, DIGEST, recv_exact(sock, CHALLENGE_SIZE))
     sock.sendall(pack_proof(secret, nonce, theirs, DIGEST))
     check_result(recv_exact(sock, RESULT_SIZE))
     return sock
+
+
+def _prove(port: int, token: str, key: bytes) -> socket.socket:
+    """Pass the relay handshake with the round's `key`, as a predecessor does."""
+    return _finish(*_hello(port), token, key)
+
+
+def test_a_burst_of_strangers_behind_the_predecessor_does_not_evict_it() -> None:
+    """The predecessor connected (HELLO sent) before the wait began, then more than
+    MAX_PENDING strangers: the one whose bytes are there is served first."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=4 * MAX_PENDING)
+    port = listener.getsockname()[1]
+    admission = Admission(listener)
+    predecessor, nonce = _hello(port)
+    strangers = [_connect(port) for _ in range(MAX_PENDING + 8)]
+    try:
+        running = Running(admission, edge_secret("t", b"k"))
+        _finish(predecessor, nonce, "t", b"k")
+        admitted = running.outcome()
+        assert isinstance(admitted, socket.socket)
+        admitted.close()
+    finally:
+        admission.close()
+        predecessor.close()
+        for sock in strangers:
+            sock.close()
 
 
 def test_a_handshake_is_bounded_as_a_whole_not_per_read() -> None:

@@ -5,8 +5,10 @@ listener cannot lean on the event loop. `Admission.run` drives every pending
 connection's handshake from one `selectors` loop (epoll: no limit on descriptor
 numbers, unlike `select()`): a connection only costs a few bytes of state while
 it waits, a slow one never holds up a fast one, and each has `HANDSHAKE_S` for
-its whole handshake, not per read. At most `MAX_PENDING` wait at once (the one
-waiting longest goes first). The control link is watched meanwhile (an ABORT of
+its whole handshake, not per read. At most `MAX_PENDING` wait at once: past
+that, one that has not sent a whole HELLO goes first, then the one idle longest,
+so a flood of strangers does not push out the predecessor, whose bytes come at
+once and are read before newcomers are taken in. The control link is watched meanwhile (an ABORT of
 the round ends the wait), and so is a wake-up pair that `abandon` and `close`
 write to from other threads. Every connection not admitted is closed on the way
 out, whatever ends the wait.
@@ -42,8 +44,8 @@ MAX_PENDING = 32
 
 
 class Handshake:
-    """The listening side of one connection's handshake, fed as bytes arrive
-    (sans-I/O but for the two small non-blocking sends).
+    """The listening side of one connection's handshake on a non-blocking socket,
+    advanced each time the socket is readable.
 
     `feed` returns None while more bytes are needed, True once the peer proved
     `secret` and the plan `digest` (RESULT OK sent), False when it failed.
@@ -57,11 +59,19 @@ class Handshake:
         self._buffer = b""
         self._hello: tuple[bytes, bytes] | None = None
         self._own = secrets.token_bytes(32)
+        self.touched = time.monotonic()
+        """When the peer last sent something."""
+
+    def rank(self) -> tuple[bool, float]:
+        """The lowest goes first when the listener is full: one that has not sent a
+        whole HELLO yet before one that has, then the one idle the longest."""
+        return self._hello is not None, self.touched
 
     def feed(self) -> bool | None:
         data = self.sock.recv(HELLO_SIZE + PROOF_SIZE)
         if not data:
             return False
+        self.touched = time.monotonic()
         self._buffer += data
         if self._hello is None:
             if len(self._buffer) < HELLO_SIZE:
@@ -136,24 +146,21 @@ class Admission:
                 if now >= deadline:
                     return None
                 wait = min([deadline, *(h.deadline for h in pending.values())]) - now
+                ready: list[socket.socket] = []
                 for key, _ in selector.select(wait):
-                    ready = key.fileobj
-                    if ready is self._wake_r:
+                    if key.fileobj is self._wake_r:
                         raise self._stopped_error()
-                    if ready is control:
+                    if key.fileobj is control:
                         on_control()
-                    elif ready is self.listener:
-                        self._accept(selector, pending, secret, digest)
-                    elif isinstance(ready, socket.socket) and ready in pending:
-                        outcome = _step(pending[ready])
-                        if outcome is False:
-                            _drop(selector, pending, ready)
-                        elif outcome:
-                            selector.unregister(ready)
-                            del pending[ready]
-                            ready.setblocking(True)
-                            ready.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                            return ready
+                    elif isinstance(key.fileobj, socket.socket):
+                        ready.append(key.fileobj)
+                # The connections already pending first, then the newcomers.
+                admitted = _advance(selector, pending, [s for s in ready if s in pending])
+                if admitted is None and self.listener in ready:
+                    taken = self._accept(selector, pending, secret, digest)
+                    admitted = _advance(selector, pending, taken)
+                if admitted is not None:
+                    return admitted
         finally:
             for conn in pending:
                 conn.close()
@@ -169,21 +176,24 @@ class Admission:
         pending: dict[socket.socket, Handshake],
         secret: str,
         digest: bytes,
-    ) -> None:
-        """Take every connection waiting in the backlog; past `MAX_PENDING`, the one
-        that has waited longest goes."""
-        while True:
+    ) -> list[socket.socket]:
+        """Take the connections waiting in the backlog (to be read at once: a real
+        peer's HELLO is there already); past `MAX_PENDING`, the lowest `rank` goes."""
+        taken: list[socket.socket] = []
+        while len(taken) < MAX_PENDING:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError:
-                return  # a connection reset before it was taken, or descriptors ran out
+                break  # a connection reset before it was taken, or descriptors ran out
             conn.setblocking(False)
             if len(pending) >= MAX_PENDING:
-                _drop(selector, pending, next(iter(pending)))
+                _drop(selector, pending, min(pending.values(), key=Handshake.rank).sock)
             pending[conn] = Handshake(conn, secret, digest, time.monotonic() + HANDSHAKE_S)
             selector.register(conn, selectors.EVENT_READ)
+            taken.append(conn)
+        return taken
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -216,6 +226,28 @@ class Admission:
         self.listener.close()
         self._wake_w.close()
         self._wake_r.close()
+
+
+def _advance(
+    selector: selectors.BaseSelector,
+    pending: dict[socket.socket, Handshake],
+    ready: list[socket.socket],
+) -> socket.socket | None:
+    """Step the handshakes of `ready`: the first admitted connection (made blocking),
+    else None; each that failed is dropped."""
+    for conn in ready:
+        if conn not in pending:
+            continue  # dropped meanwhile
+        outcome = _step(pending[conn])
+        if outcome is False:
+            _drop(selector, pending, conn)
+        elif outcome:
+            selector.unregister(conn)
+            del pending[conn]
+            conn.setblocking(True)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+    return None
 
 
 def _step(handshake: Handshake) -> bool | None:
