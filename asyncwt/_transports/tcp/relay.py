@@ -5,10 +5,12 @@ out, ROUTE in) and listens, on its relay address, for the one predecessor that
 feeds it. Every round:
 
 1. the worker sends READY on the control link and reads its ROUTE: the successor's
-   address, or none for the tail;
-2. it connects to its successor (the same handshake as with the trainer: the token
-   and the plan digest, proven both ways), then accepts its predecessor (the
-   trainer itself for the head) on its listener;
+   address (none for the tail) and the round's keys of its two edges;
+2. it connects to its successor (the handshake of the trainer's link, proving the
+   token with the outgoing edge's key, `edge_secret`, and the plan digest, both
+   ways), then accepts its predecessor (the trainer itself for the head) on its
+   listener: the one connection that proves the incoming edge's key, which only
+   the trainer and the predecessor it named know (see `admission`);
 3. it reads the round's stream from its predecessor: every chunk the socket hands
    over is sent on to the successor as it is (`Tee`), before anything else is
    done with it, and meanwhile lands where a star worker would put it. What goes
