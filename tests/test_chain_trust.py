@@ -162,6 +162,21 @@ async def test_chain_rounds_in_workers_holding_over_1024_descriptors(pool: Pool)
     workers[0].kill()
 
 
+def _hello(address: tuple[str, int], digest: bytes) -> tuple[socket.socket, bytes]:
+    """A connection that opened the link's handshake (HELLO sent); and its nonce."""
+    nonce = secrets.token_bytes(32)
+    sock = socket.create_connection(address, timeout=20)
+    sock.sendall(pack_hello(nonce, digest))
+    return sock, nonce
+
+
+def _finish(sock: socket.socket, nonce: bytes, secret: str, digest: bytes) -> None:
+    """The rest of the handshake, proving `secret`; a refusal raises."""
+    theirs = verify_challenge(secret, nonce, digest, recv_exact(sock, CHALLENGE_SIZE))
+    sock.sendall(pack_proof(secret, nonce, theirs, digest))
+    check_result(recv_exact(sock, RESULT_SIZE))
+
+
 class Impostor:
     """Holds the data-plane token and pre-connects to the relay listener at `place`
     (HELLO sent at once); once admitted, it streams the next round of its own: every
@@ -173,21 +188,17 @@ class Impostor:
         self.token = sender.links.settings.token
         self.plan = engine.plan
         self.round_id = engine._rounds + 1
-        self.nonce = secrets.token_bytes(32)
-        self.sock = socket.create_connection(listener_of(engine, place), timeout=20)
-        self.sock.sendall(pack_hello(self.nonce, bytes.fromhex(self.plan.digest)))
+        self.digest = bytes.fromhex(self.plan.digest)
+        self.sock, self.nonce = _hello(listener_of(engine, place), self.digest)
         self.outcome: list[Exception | None] = []
         self.thread = threading.Thread(target=self._attack, daemon=True)
         self.thread.start()
 
     def _attack(self) -> None:
-        digest, prefix = bytes.fromhex(self.plan.digest), digest_prefix(self.plan.digest)
+        prefix = digest_prefix(self.plan.digest)
         try:
             with self.sock as sock:
-                challenge = recv_exact(sock, CHALLENGE_SIZE)
-                nonce = verify_challenge(self.token, self.nonce, digest, challenge)
-                sock.sendall(pack_proof(self.token, self.nonce, nonce, digest))
-                check_result(recv_exact(sock, RESULT_SIZE))
+                _finish(sock, self.nonce, self.token, self.digest)
                 for bucket in self.plan.buckets:
                     size = bucket.payload_bytes
                     header = Frame(FrameKind.BUCKET, self.round_id, bucket.index, prefix, size)
@@ -309,26 +320,11 @@ def test_admission_caps_pending_and_closes_what_it_holds_on_abandon_and_close() 
             conn.close()
 
 
-def _hello(port: int) -> tuple[socket.socket, bytes]:
-    """A predecessor's connection, its HELLO sent; and its nonce."""
-    nonce = secrets.token_bytes(32)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(pack_hello(nonce, DIGEST))
-    return sock, nonce
-
-
-def _finish(sock: socket.socket, nonce: bytes, token: str, key: bytes) -> socket.socket:
-    """The rest of the relay handshake, proving the round's `key`."""
-    secret = edge_secret(token, key)
-    theirs = verify_challenge(secret, nonce, DIGEST, recv_exact(sock, CHALLENGE_SIZE))
-    sock.sendall(pack_proof(secret, nonce, theirs, DIGEST))
-    check_result(recv_exact(sock, RESULT_SIZE))
-    return sock
-
-
 def _prove(port: int, token: str, key: bytes) -> socket.socket:
     """Pass the relay handshake with the round's `key`, as a predecessor does."""
-    return _finish(*_hello(port), token, key)
+    sock, nonce = _hello(("127.0.0.1", port), DIGEST)
+    _finish(sock, nonce, edge_secret(token, key), DIGEST)
+    return sock
 
 
 def test_a_burst_of_strangers_behind_the_predecessor_does_not_evict_it() -> None:
@@ -337,11 +333,11 @@ def test_a_burst_of_strangers_behind_the_predecessor_does_not_evict_it() -> None
     listener = socket.create_server(("127.0.0.1", 0), backlog=4 * MAX_PENDING)
     port = listener.getsockname()[1]
     admission = Admission(listener)
-    predecessor, nonce = _hello(port)
+    predecessor, nonce = _hello(("127.0.0.1", port), DIGEST)
     strangers = [_connect(port) for _ in range(MAX_PENDING + 8)]
     try:
         running = Running(admission, edge_secret("t", b"k"))
-        _finish(predecessor, nonce, "t", b"k")
+        _finish(predecessor, nonce, edge_secret("t", b"k"), DIGEST)
         admitted = running.outcome()
         assert isinstance(admitted, socket.socket)
         admitted.close()
