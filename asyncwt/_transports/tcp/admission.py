@@ -108,6 +108,7 @@ class Admission:
         self.listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # stops unread pile up to a full buffer, no further
         self._lock = threading.Lock()
         self.stops = 0
         """How many times `stop` ran: a wait begun at `epoch=stops` ends at the next."""
@@ -211,7 +212,7 @@ class Admission:
             self.stops += 1
             self._why = why
             if not self._closed:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # BlockingIOError: one is unread already
                     self._wake_w.send(b"x")
 
     def close(self) -> None:
