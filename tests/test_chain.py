@@ -104,9 +104,10 @@ class Pool:
             env=worker_env(),
         )
 
-    def take(self) -> Worker:
+    def take(self, fds: int = 0) -> Worker:
+        """A fresh worker; `fds`: how many more descriptors it holds open."""
         assert self.forker.stdin is not None
-        self.forker.stdin.write("\n")
+        self.forker.stdin.write(f"fds={fds}\n" if fds else "\n")
         self.forker.stdin.flush()
         pid, url = read_line(self.forker, 120).split()  # type: ignore[arg-type]
         return Worker(int(pid), url)
@@ -348,7 +349,7 @@ async def test_a_stranger_at_a_relay_listener_is_refused_and_the_round_goes_on()
     engines = local_engines(2)
     model = _models.mixed()
     client = LocalClient(engines)
-    # A stranger that sends part of a HELLO holds the listener up to HANDSHAKE_S.
+    # Strangers at the listener: each is refused or dropped, holding up no one.
     info = chain_info(connect_timeout=10.0, recv_timeout=10.0)
     engine = await trainer_init(info, client=client, source=FaultySource(model))
     async with engine:

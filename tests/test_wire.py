@@ -3,6 +3,7 @@ import pytest
 from asyncwt import AuthenticationError, PlanMismatchError, ProtocolError
 from asyncwt._transports.wire import (
     FRAME_SIZE,
+    PROTOCOL_VERSION,
     Frame,
     FrameKind,
     HandshakeStatus,
@@ -74,10 +75,12 @@ def test_handshake_result_maps_to_errors() -> None:
         check_result(pack_result(HandshakeStatus.PLAN_MISMATCH))
 
 
-def test_hello_rejects_another_protocol() -> None:
+@pytest.mark.parametrize("version", [1, 9])  # 1: before ROUTE carried the edges' keys
+def test_hello_rejects_another_protocol(version: int) -> None:
+    assert PROTOCOL_VERSION == 2
     data = bytearray(pack_hello(b"w" * 32, DIGEST))
-    data[4] = 9
+    data[4] = version
     with pytest.raises(
-        ProtocolError, match=r"^peer speaks protocol version 9, this side speaks 1$"
+        ProtocolError, match=rf"^peer speaks protocol version {version}, this side speaks 2$"
     ):
         unpack_hello(bytes(data))

@@ -20,7 +20,6 @@ import gc
 import importlib
 import json
 import os
-import select
 import socket
 import struct
 import sys
@@ -39,6 +38,7 @@ from .._core.source import ModuleSource, WeightSource
 from .._core.stats import RoundStats
 from .._registry import registered_backends, trainer_init
 from .._trainer.base import TrainerInitInfo
+from .._transports.sockio import readable
 from ._cpu import CpuMeter, median_cores
 from ._memory import MemoryProbe
 from ._model import LlamaShape, SyntheticLlama, fill_random
@@ -489,7 +489,7 @@ class _GateServer:
     def poll(self, timeout: float) -> None:
         """Serve at most one request, waiting up to `timeout` seconds for it."""
         waiting = self._conn if self._conn is not None else self._listener
-        if not select.select([waiting], [], [], timeout)[0]:
+        if not readable(waiting, timeout):
             return
         if self._conn is None:
             self._conn, _ = self._listener.accept()

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 from collections.abc import Sequence
 
 from .._core.errors import TransferError
 
-__all__ = ["async_recv_exact", "async_send_segments", "recv_exact", "recv_segments", "send_all"]
+__all__ = [
+    "async_recv_exact",
+    "async_send_segments",
+    "readable",
+    "recv_exact",
+    "recv_segments",
+    "send_all",
+]
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _MAX_CALL_BYTES = 4 << 20
@@ -124,3 +132,12 @@ def recv_segments(sock: socket.socket, segments: Sequence[memoryview]) -> None:
             left = sum(len(s) for s in pending[first:])
             raise TransferError(f"the peer closed the connection with {left} bytes still expected")
         first = _advance(pending, first, n)
+
+
+def readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether `sock` has bytes to read (or a connection to accept) within `timeout`
+    seconds (poll: `select()` cannot take descriptors past 1023, which a serving
+    process may well hold)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))

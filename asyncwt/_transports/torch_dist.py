@@ -31,7 +31,6 @@ import functools
 import logging
 import os
 import secrets
-import select
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -61,6 +60,7 @@ from .base import (
 )
 from .link import LinkedSender, WorkerLink, connect_link
 from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from .sockio import readable
 from .torch_dist_store import StoreClient, StoreServer, store_digest
 from .wire import Frame, FrameKind
 
@@ -680,14 +680,6 @@ _POLL_S = 0.001
 broadcasts are on the wire, before checking whether they completed."""
 
 
-def _readable(sock: socket.socket, timeout: float) -> bool:
-    """Whether `sock` has bytes to read within `timeout` (poll: `select` cannot take
-    descriptors past 1023, which a serving process may well hold)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(timeout * 1000))
-
-
 @dataclass(eq=False)
 class _Incoming:
     """A bucket whose broadcasts a worker started."""
@@ -850,7 +842,7 @@ class TorchDistReceiver(ReceiverTransport):
                     start(frame, self.pool.take())
                 oldest = in_flight[0]
                 while not ended and len(in_flight) < IN_FLIGHT_BUCKETS and not oldest.done():
-                    if not _readable(link.sock, _POLL_S):
+                    if not readable(link.sock, _POLL_S):
                         continue
                     taken = self.pool.try_take()
                     if taken is None:

@@ -33,7 +33,8 @@ __all__ = [
     "HandshakeStatus",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: ROUTE carries the round's keys of the worker's two chain edges."""
 FRAME_MAGIC = b"AWTF"
 _FRAME = struct.Struct("<4sB3sQII16sQ")
 _RESERVED = bytes(3)
@@ -73,8 +74,10 @@ class FrameKind(enum.IntEnum):
     host in `nbytes` of UTF-8 that follow (see `asyncwt._transports.tcp.relay`)."""
     ROUTE = 9
     """Trainer → worker, each round of a `"tcp"` chain: the worker's place in the chain
-    in `index`; its successor's relay port in `slot` (0: it is the tail) and host in
-    `nbytes` of UTF-8 that follow."""
+    in `index`; its successor's relay port in `slot` (0: it is the tail); `nbytes`
+    follow: the round's key of the edge into this worker and of the edge out of it
+    (`EDGE_KEY_BYTES` each, see `edge_secret`), then the successor's host in UTF-8
+    (none for the tail)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,18 @@ HELLO_SIZE, CHALLENGE_SIZE, PROOF_SIZE, RESULT_SIZE = (
     _PROOF.size,
     _RESULT.size,
 )
+
+
+EDGE_KEY_BYTES = 32
+"""Length of a round's key for one edge of a `"tcp"` chain."""
+
+
+def edge_secret(token: str, key: bytes) -> str:
+    """What a chain's relay handshake proves instead of the token alone: the token
+    and the round's key for that edge, which only the trainer and the edge's two
+    ends hold. Every worker holds the token, so the token alone must admit nobody
+    at a relay listener."""
+    return f"{token}:{key.hex()}"
 
 
 def _mac(token: str, role: bytes, first: bytes, second: bytes, digest: bytes) -> bytes:

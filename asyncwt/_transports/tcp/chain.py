@@ -5,8 +5,9 @@ rounds) and the chain (the trainer sends each byte once, to the head).
 Each tracked worker sends LISTEN right after its handshake: its member number and,
 in a chain, its relay listener. In a chain, every round opens with the workers'
 READY on their links to the trainer (control links from then on), a ROUTE to each
-naming its successor, and the trainer's own connection to the head's listener;
-the round's frames (BUCKETs, END or ABORT) go down that connection only, and each
+naming its successor and carrying the round's keys of its two edges (a relay
+admits only the predecessor the trainer named), and the trainer's own connection
+to the head's listener; the round's frames (BUCKETs, END or ABORT) go down that connection only, and each
 worker forwards them (see `asyncwt._transports.tcp.relay`).
 """
 
@@ -31,11 +32,13 @@ from ..sockio import async_recv_exact
 from ..wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
+    EDGE_KEY_BYTES,
     FRAME_SIZE,
     RESULT_SIZE,
     Frame,
     FrameKind,
     check_result,
+    edge_secret,
     pack_hello,
     pack_proof,
     verify_challenge,
@@ -168,29 +171,35 @@ class ChainSender(FleetSender):
             peer: self.listings[successor] if successor is not None else None
             for peer, successor in zip(chain, [*chain[1:], None])
         }
+        # The round's key of each edge: keys[i] admits the feeder of worker i (the
+        # trainer for the head), and only the two ends of an edge learn its key.
+        keys = [secrets.token_bytes(EDGE_KEY_BYTES) for _ in range(len(chain) + 1)]
 
         async def route(peer: Peer) -> None:
+            place = chain.index(peer)
             nxt = routes[peer]
-            host = nxt.host.encode() if nxt is not None else b""
+            payload = keys[place] + keys[place + 1] + (nxt.host.encode() if nxt else b"")
             frame = self.links.frame(
                 FrameKind.ROUTE,
-                index=chain.index(peer),
-                nbytes=len(host),
+                index=place,
+                nbytes=len(payload),
                 slot=nxt.port if nxt is not None else 0,
             )
-            await self.links.send_frame(peer, [memoryview(frame.pack()), memoryview(host)], "ROUTE")
+            segments = [memoryview(frame.pack()), memoryview(payload)]
+            await self.links.send_frame(peer, segments, "ROUTE")
 
         await self.links.each(route)
         first = self.listings[chain[0]]
         address = f"{first.host}:{first.port} (head of the chain)"
-        sock = await self._connect(first)
+        sock = await self._connect(first, keys[0])
         self.head = Peer(sock, address)
 
-    async def _connect(self, head: Listing) -> socket.socket:
-        """Connect to the head's relay listener and pass the handshake (as a worker
-        does with the trainer), on the event loop: cancellable, bounded by
-        `connect_timeout`."""
+    async def _connect(self, head: Listing, key: bytes) -> socket.socket:
+        """Connect to the head's relay listener and pass the handshake with the
+        round's key for that edge (`edge_secret`), on the event loop: cancellable,
+        bounded by `connect_timeout`."""
         s = self.links.settings
+        secret = edge_secret(s.token, key)
         loop = asyncio.get_running_loop()
         digest = bytes.fromhex(self.links.plan.digest)
         infos = await loop.getaddrinfo(head.host, head.port, type=socket.SOCK_STREAM)
@@ -204,8 +213,8 @@ class ChainSender(FleetSender):
                 nonce = secrets.token_bytes(32)
                 await loop.sock_sendall(sock, pack_hello(nonce, digest))
                 challenge = await async_recv_exact(sock, CHALLENGE_SIZE)
-                head_nonce = verify_challenge(s.token, nonce, digest, challenge)
-                await loop.sock_sendall(sock, pack_proof(s.token, nonce, head_nonce, digest))
+                head_nonce = verify_challenge(secret, nonce, digest, challenge)
+                await loop.sock_sendall(sock, pack_proof(secret, nonce, head_nonce, digest))
                 check_result(await async_recv_exact(sock, RESULT_SIZE))
         except TimeoutError:
             sock.close()

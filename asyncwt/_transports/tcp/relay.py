@@ -5,10 +5,12 @@ out, ROUTE in) and listens, on its relay address, for the one predecessor that
 feeds it. Every round:
 
 1. the worker sends READY on the control link and reads its ROUTE: the successor's
-   address, or none for the tail;
-2. it connects to its successor (the same handshake as with the trainer: the token
-   and the plan digest, proven both ways), then accepts its predecessor (the
-   trainer itself for the head) on its listener;
+   address (none for the tail) and the round's keys of its two edges;
+2. it connects to its successor (the handshake of the trainer's link, proving the
+   token with the outgoing edge's key, `edge_secret`, and the plan digest, both
+   ways), then accepts its predecessor (the trainer itself for the head) on its
+   listener: the one connection that proves the incoming edge's key, which only
+   the trainer and the predecessor it named know (see `admission`);
 3. it reads the round's stream from its predecessor: every chunk the socket hands
    over is sent on to the successor as it is (`Tee`), before anything else is
    done with it, and meanwhile lands where a star worker would put it. What goes
@@ -26,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-import select
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -47,27 +47,15 @@ from ..._worker.engine import ReceivePool
 from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
 from ..link import WorkerLink, connect_link, read_abort_reason
 from ..sockio import recv_exact, send_all
-from ..wire import (
-    FRAME_SIZE,
-    HELLO_SIZE,
-    PROOF_SIZE,
-    Frame,
-    FrameKind,
-    HandshakeStatus,
-    pack_challenge,
-    pack_result,
-    proof_is_valid,
-    unpack_hello,
-)
+from ..wire import EDGE_KEY_BYTES, FRAME_SIZE, Frame, FrameKind, edge_secret
+from .admission import MAX_PENDING, Admission
 from .settings import TcpWorkerInitInfo
 from .worker import receive_buckets
 
-__all__ = ["ChainReceiver", "Route", "Tee", "announce", "serve_handshake"]
+__all__ = ["ChainReceiver", "Route", "Tee", "announce"]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
-HANDSHAKE_S = 2.0
-"""Seconds a connection to a relay listener has to finish its handshake once its
-first bytes came: a real peer answers within a round trip."""
+_KEYS = 2 * EDGE_KEY_BYTES
 
 
 def announce(link: WorkerLink, member: int, host: str, port: int) -> None:
@@ -80,10 +68,13 @@ def announce(link: WorkerLink, member: int, host: str, port: int) -> None:
 
 @dataclass(frozen=True)
 class Route:
-    """This worker's place in a round's chain."""
+    """This worker's place in a round's chain, and the round's keys for its two edges:
+    `key_in` admits its predecessor, `key_out` admits it at its successor's."""
 
     position: int
     successor: tuple[str, int] | None
+    key_in: bytes
+    key_out: bytes
 
 
 def read_route(link: WorkerLink, round_id: int) -> Route:
@@ -102,7 +93,7 @@ def read_route(link: WorkerLink, round_id: int) -> Route:
         if (
             frame.kind == FrameKind.ROUTE
             and frame.round_id < round_id
-            and frame.nbytes <= MAX_HOST_CHARS
+            and frame.nbytes <= _KEYS + MAX_HOST_CHARS
         ):
             recv_exact(link.sock, frame.nbytes)  # a round this worker gave up waiting for
             continue
@@ -113,95 +104,67 @@ def read_route(link: WorkerLink, round_id: int) -> Route:
             )
         if frame.digest != link.digest:
             raise ProtocolError(f"round {round_id}: ROUTE for another plan")
-        if frame.nbytes > MAX_HOST_CHARS or (frame.slot == 0) != (frame.nbytes == 0):
+        host_bytes = frame.nbytes - _KEYS
+        if not 0 <= host_bytes <= MAX_HOST_CHARS or (frame.slot == 0) != (host_bytes == 0):
             raise ProtocolError(
-                f"round {round_id}: ROUTE should name a host of 1-{MAX_HOST_CHARS} bytes with "
-                f"a port, or neither; got {frame.nbytes} bytes and port {frame.slot}"
+                f"round {round_id}: ROUTE should carry {_KEYS} bytes of keys and a host of "
+                f"1-{MAX_HOST_CHARS} bytes with a port, or the keys alone; got {frame.nbytes} "
+                f"bytes and port {frame.slot}"
             )
         if frame.slot > 65535:
             raise ProtocolError(f"round {round_id}: ROUTE port {frame.slot} is out of range")
+        payload = recv_exact(link.sock, frame.nbytes)
+        key_in, key_out = payload[:EDGE_KEY_BYTES], payload[EDGE_KEY_BYTES:_KEYS]
         if frame.slot == 0:
-            return Route(frame.index, None)
-        host = recv_exact(link.sock, frame.nbytes).decode("utf-8", "replace")
+            return Route(frame.index, None, key_in, key_out)
+        host = payload[_KEYS:].decode("utf-8", "replace")
         try:
             check_host("ROUTE host", host)
         except ValueError as exc:
             raise ProtocolError(f"round {round_id}: {exc}") from None
-        return Route(frame.index, (host, frame.slot))
-
-
-def serve_handshake(sock: socket.socket, token: str, plan: TransferPlan, timeout: float) -> bool:
-    """The listening side of the link's handshake, blocking: prove the token, check
-    the peer's proof and plan digest, answer RESULT. True once the peer is admitted."""
-    digest = bytes.fromhex(plan.digest)
-    sock.settimeout(timeout)
-    nonce, peer_digest = unpack_hello(recv_exact(sock, HELLO_SIZE))
-    own = secrets.token_bytes(32)
-    send_all(sock, pack_challenge(token, nonce, own, digest))
-    proof = recv_exact(sock, PROOF_SIZE)
-    if not proof_is_valid(token, nonce, own, digest, proof):
-        status = HandshakeStatus.BAD_PROOF
-    elif peer_digest != digest:
-        status = HandshakeStatus.PLAN_MISMATCH
-    else:
-        status = HandshakeStatus.OK
-    send_all(sock, pack_result(status))
-    return status == HandshakeStatus.OK
+        return Route(frame.index, (host, frame.slot), key_in, key_out)
 
 
 class RelayListener:
     """Where a chain worker waits for its predecessor: bound for the engine's life,
-    read only during a round; every connection must pass the handshake."""
+    read only during a round; only the round's predecessor is admitted."""
 
     def __init__(self, bind: str, token: str, plan: TransferPlan) -> None:
         self.token = token
-        self.plan = plan
-        self.sock = socket.create_server((bind, 0), backlog=16)
+        self.digest = bytes.fromhex(plan.digest)
+        self.sock = socket.create_server((bind, 0), backlog=MAX_PENDING)
         self.port: int = self.sock.getsockname()[1]
+        self.admission = Admission(self.sock)
 
-    def accept(self, control: WorkerLink, round_id: int, timeout: float) -> socket.socket:
-        """The predecessor's authenticated connection for `round_id`.
+    def accept(
+        self, control: WorkerLink, round_id: int, key: bytes, timeout: float, epoch: int
+    ) -> socket.socket:
+        """The predecessor's authenticated connection for `round_id`: the one that
+        proves the round's key for this edge (`edge_secret`), which only the trainer
+        and the predecessor it named hold.
 
-        Waits at most `timeout` seconds. Connections are taken as they come and each
-        is served only once its first bytes are there (a real peer sends its HELLO at
-        once), each handshake bounded by `HANDSHAKE_S`: a connection that sends
-        nothing holds nobody up, and one that fails the handshake is closed. An
-        ABORT of this round on the control link ends the wait
-        (`TransferAbortedError`).
+        Waits at most `timeout` seconds; every other connection is refused or closed
+        (see `Admission`). An ABORT of this round on the control link, or `abandon`
+        since the round began (`epoch`), ends the wait (`TransferAbortedError`).
         """
+
+        def on_control() -> None:
+            with control.guard(round_id):  # only an ABORT (raised) may come now
+                read_route(control, round_id)
+                raise ProtocolError(f"round {round_id}: a second ROUTE for the round")
+
+        secret = edge_secret(self.token, key)
         deadline = time.monotonic() + timeout
-        pending: list[socket.socket] = []
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(
-                        f"round {round_id}: no predecessor connected to this worker's relay "
-                        f"listener within connect_timeout={timeout}s"
-                    )
-                watched = [self.sock, control.sock, *pending]
-                readable, _, _ = select.select(watched, [], [], left)
-                if control.sock in readable:
-                    with control.guard(round_id):  # only an ABORT (raised) may come now
-                        read_route(control, round_id)
-                        raise ProtocolError(f"round {round_id}: a second ROUTE for the round")
-                if self.sock in readable:
-                    pending.append(self.sock.accept()[0])
-                for conn in [c for c in pending if c in readable]:
-                    pending.remove(conn)
-                    try:
-                        if serve_handshake(conn, self.token, self.plan, min(left, HANDSHAKE_S)):
-                            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                            return conn
-                    except (OSError, AsyncwtError):
-                        pass  # a stranger, or a connection left over from an abandoned round
-                    conn.close()
-        finally:
-            for conn in pending:
-                conn.close()
+        conn = self.admission.run(secret, self.digest, deadline, control.sock, on_control, epoch)
+        if conn is None:
+            raise TransferTimeoutError(
+                f"round {round_id}: no predecessor connected to this worker's relay "
+                f"listener within connect_timeout={timeout}s"
+            )
+        return conn
 
     def close(self) -> None:
-        self.sock.close()
+        self.admission.close()
 
 
 class Tee:
@@ -312,6 +275,7 @@ class ChainReceiver(ReceiverTransport):
     def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         control, listener, info = self.control, self.listener, self.info
         assert control is not None and listener is not None
+        epoch = listener.admission.stops  # an abandon from now on ends this round's wait
         control.sock.settimeout(info.recv_timeout)
         with control.guard(round_id):  # a broken control link needs a new init
             control.send(Frame(FrameKind.READY, round_id, 0, control.digest, 0, 0))
@@ -325,13 +289,15 @@ class ChainReceiver(ReceiverTransport):
                     connect_link(
                         host,
                         port,
-                        info.token,
+                        edge_secret(info.token, route.key_out),
                         self.plan,
                         info.connect_timeout,
                         peer=f"the next worker in the chain (place {route.position + 1})",
                     )
                 )
-            upstream = self._track(listener.accept(control, round_id, info.connect_timeout))
+            upstream = self._track(
+                listener.accept(control, round_id, route.key_in, info.connect_timeout, epoch)
+            )
             stream = _RelayLink(Tee(upstream, downstream), self.plan, info.recv_timeout)  # type: ignore[arg-type]
             yield from receive_buckets(stream, self.plan, self.pool, round_id, target)
         finally:
@@ -366,13 +332,17 @@ class ChainReceiver(ReceiverTransport):
         return sock
 
     def abandon(self) -> None:
-        """Shut the older round's relay connections: a forward blocked on a stalled
-        successor, or a read on a stalled predecessor, fails at once."""
+        """End the older round at once: its wait for a predecessor (every pending
+        connection closed), a forward blocked on a stalled successor, or a read on a
+        stalled predecessor."""
+        if self.listener is not None:
+            self.listener.admission.stop("a newer round began")
         for sock in list(self._relays):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        self.abandon()
         if self.listener is not None:
             self.listener.close()
         if self.control is not None:
