@@ -79,7 +79,7 @@ os._exit(0)  # the formation's thread may be stuck in NCCL's init: leave it behi
     "findings 1-2: a world-1 NCCL group forms through its probe broadcast with no "
     "TORCH_NCCL_* set and torch's timeout WATCHDOG_MARGIN_S past ours; a lone rank of "
     "two gives up within its timeout",
-    timeout_s=40,
+    timeout_s=30,
 )
 def nccl_group_probe(figures: Figures) -> None:
     import torch
@@ -114,7 +114,7 @@ def nccl_group_probe(figures: Figures) -> None:
     finally:
         torch_dist._release_group(group)
 
-    waited = check_timeout() - (time.perf_counter() - started) - 5
+    waited = max(check_timeout() - (time.perf_counter() - started) - 5, 5)
     cmd = [sys.executable, "-c", LONE_RANK, str(LONE_RANK_LIMIT_S)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=waited, check=False)
@@ -145,7 +145,7 @@ def nccl_group_probe(figures: Figures) -> None:
     "broadcast-skips-training-queue",
     "finding 3: with ~1.5 s of training kernels queued on the default stream, a broadcast "
     "launched by _start_all on the side stream is over long before them",
-    timeout_s=30,
+    timeout_s=25,
 )
 def broadcast_skips_training_queue(figures: Figures) -> None:
     import torch
@@ -172,11 +172,11 @@ def broadcast_skips_training_queue(figures: Figures) -> None:
         torch.cuda._sleep(cycles)  # training kernels on the default stream
         thread = threading.Thread(target=launch, daemon=True)
         thread.start()
-        thread.join(10)
+        thread.join(6)
         busy = not torch.cuda.default_stream(device).query()
         torch.cuda.synchronize(device)
         if not out:
-            raise RuntimeError("the broadcast did not end within 10 s")
+            raise RuntimeError("the broadcast did not end within 6 s")
         figures[f"{'side' if stream else 'default'}_training_still_busy"] = busy
         return out[0]
 
@@ -200,7 +200,7 @@ def broadcast_skips_training_queue(figures: Figures) -> None:
     "reassembly-stays-on-device",
     "finding 4: a 64 MiB parameter chunked over 4 MiB device receive buffers, with a "
     "whole-tensor transform, is reassembled on the GPU, bit-exact",
-    timeout_s=30,
+    timeout_s=25,
 )
 def reassembly_stays_on_device(figures: Figures) -> None:
     import torch
@@ -232,7 +232,7 @@ def reassembly_stays_on_device(figures: Figures) -> None:
                     buffer[s.offset : s.offset + s.nbytes] = raw[s.start : s.end]
                 torch.cuda.synchronize(device)  # filled: the apply streams may read it
                 applier.submit(target, round_id, bucket, buffer, lambda: None)
-            applier.drain(timeout=20)
+            applier.drain(timeout=10)
             torch.cuda.synchronize(device)
             figures[f"round{round_id}_s"] = round(time.perf_counter() - start, 3)
         figures["buckets"] = len(plan.buckets)
@@ -255,7 +255,7 @@ def reassembly_stays_on_device(figures: Figures) -> None:
     "vllm-own-copy",
     "finding 5: vLLM's _own_copy of a device tensor is pinned host memory, complete on "
     "return; of a host tensor, pinned; the apply stream waits for vLLM's default stream",
-    timeout_s=25,
+    timeout_s=20,
 )
 def vllm_own_copy(figures: Figures) -> None:
     import torch
@@ -305,7 +305,7 @@ def vllm_own_copy(figures: Figures) -> None:
     "staged-commit-settles",
     "finding 6: with ~0.5 s of work queued on the caller's stream, a staged commit returns "
     "once its copies are done: a reader on another stream right after sees every new weight",
-    timeout_s=25,
+    timeout_s=20,
 )
 def staged_commit_settles(figures: Figures) -> None:
     import torch
@@ -344,7 +344,7 @@ def staged_commit_settles(figures: Figures) -> None:
     "shard1-block-copies",
     "finding 7: an owner-sent vocab x hidden weight, Shard(1) over two ranks, lands on the "
     "GPU in a few strided copies per share bucket (not one per row), bit-exact",
-    timeout_s=40,
+    timeout_s=30,
 )
 def shard1_block_copies(figures: Figures) -> None:
     import torch
@@ -393,7 +393,7 @@ def shard1_block_copies(figures: Figures) -> None:
         start = time.perf_counter()
         for r in received:
             applier.submit(target, 1, r.bucket, r.buffer, r.release)
-        applier.drain(timeout=30)
+        applier.drain(timeout=15)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     finally:

@@ -207,7 +207,7 @@ print(json.dumps({"first_bytes": [int(b[0]) for b in buffers],
     "ipc-ring-own-allocations",
     "finding 8: under expandable_segments:True each cuda_ipc ring block is a whole "
     "non-expandable segment of its own, and another process maps it",
-    timeout_s=45,
+    timeout_s=30,
 )
 def ipc_ring_own_allocations(figures: Figures) -> None:
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -229,7 +229,7 @@ def ipc_ring_own_allocations(figures: Figures) -> None:
         exported = json.loads(line)
         worker = child(RING_IMPORT, env, stdin=json.dumps(exported["exported"]))
         exporter.stdin.close()
-        exporter.wait(timeout=15)
+        exporter.wait(timeout=5)
     finally:
         if exporter.poll() is None:
             exporter.kill()
@@ -293,7 +293,7 @@ print(json.dumps({"mapped_on": [b.device.index for b in buffers], "value": int(l
     "ipc-map-on-own-gpu",
     "finding 9: a cuda_ipc worker on GPU 1 maps a ring of GPU 0 on GPU 1 and creates no "
     "CUDA context on GPU 0 (needs two GPUs)",
-    timeout_s=30,
+    timeout_s=25,
 )
 def ipc_map_on_own_gpu(figures: Figures) -> None:
     import torch
@@ -332,7 +332,7 @@ def ipc_map_on_own_gpu(figures: Figures) -> None:
     "delta-scatters-on-gpu",
     "finding 10: a GPU worker applies delta buckets (1 byte in 400 changed) into its "
     "parameters with no host shadow, bit-exact, and only the changes cross the bus",
-    timeout_s=30,
+    timeout_s=25,
 )
 def delta_scatters_on_gpu(figures: Figures) -> None:
     import torch
@@ -410,7 +410,7 @@ def delta_scatters_on_gpu(figures: Figures) -> None:
     "staging-at-init-off-the-loop",
     "finding 11: a GPU trainer with 2 x 1 GiB buckets allocates both pinned staging buffers "
     f"at init in a thread (loop lag <= {MAX_LAG_S * 1e3:.0f} ms), and its first round none",
-    timeout_s=30,
+    timeout_s=25,
 )
 def staging_at_init_off_the_loop(figures: Figures) -> None:
     import torch
@@ -458,7 +458,7 @@ def staging_at_init_off_the_loop(figures: Figures) -> None:
     "pinned-gloo-and-shm-ring",
     "finding 12: a GPU trainer's gloo staging is pinned and its shm ring registered: a "
     "256 MiB bucket's copy into either is bit-exact (queue time and GB/s reported)",
-    timeout_s=30,
+    timeout_s=25,
 )
 def pinned_gloo_and_shm_ring(figures: Figures) -> None:
     import torch
@@ -517,7 +517,7 @@ def pinned_gloo_and_shm_ring(figures: Figures) -> None:
     "non-sender-rank-joins-lanes",
     "finding 13: a non-sender rank (rank 1) returns from send_weights with its stream "
     "ordered after its iterate lane's 0.5 s kernel",
-    timeout_s=30,
+    timeout_s=25,
 )
 def non_sender_rank_joins_lanes(figures: Figures) -> None:
     import torch
@@ -558,7 +558,7 @@ def non_sender_rank_joins_lanes(figures: Figures) -> None:
     "finding 14: packing behind a 1 s gather and to_host behind a 1 s kernel sleep (<= "
     f"{MAX_CPU_PER_WAIT_S} CPU s/s); shutdown and a cuda_ipc close return during a 2 s "
     "training kernel",
-    timeout_s=30,
+    timeout_s=25,
 )
 def no_spin_waits(figures: Figures) -> None:
     import torch
