@@ -4,6 +4,7 @@ the lent GPU machine only."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import importlib.util
 import json
@@ -32,6 +33,19 @@ CHECK_NAMES = [  # these, in this order; checks added in scripts/_gpu_checks/ go
     "ipc-reinit",
     "cpu-model-gloo",
     "fork-after-import",
+    "nccl-group-probe",  # issue 33, findings 1-2
+    "broadcast-skips-training-queue",  # 3
+    "reassembly-stays-on-device",  # 4
+    "vllm-own-copy",  # 5
+    "staged-commit-settles",  # 6
+    "shard1-block-copies",  # 7
+    "ipc-ring-own-allocations",  # 8
+    "ipc-map-on-own-gpu",  # 9
+    "delta-scatters-on-gpu",  # 10
+    "staging-at-init-off-the-loop",  # 11
+    "pinned-gloo-and-shm-ring",  # 12
+    "non-sender-rank-joins-lanes",  # 13
+    "no-spin-waits",  # 14
     "staging-tcp",
     "staging-shm",
     "staging-gloo",
@@ -270,6 +284,21 @@ def _wheel(where: Path, name: str, tag: str) -> Path:
         for n, text in {**files, f"{info}/RECORD": record}.items():
             zf.writestr(n, text)
     return path
+
+
+def test_every_probe_a_check_runs_in_a_child_compiles() -> None:
+    # A probe (`python -c PROBE`) that does not parse is invisible to the preflight
+    # (it reads only code strings that parse): it would fail on the GPU machine only.
+    probes = 0
+    for path in sorted((SCRIPTS / "_gpu_checks").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)):
+                continue
+            text = node.value.value
+            if isinstance(text, str) and re.search(r"^(import|from) \w", text, re.MULTILINE):
+                compile(text, f"{path.name}:{node.lineno}", "exec")  # raises SyntaxError
+                probes += 1
+    assert probes >= 5  # basics' fork probe, the lone NCCL rank's, the cuda_ipc ring's three
 
 
 def test_wheels_install_one_by_one_and_a_misfit_drops_only_itself(

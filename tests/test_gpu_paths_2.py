@@ -5,19 +5,18 @@ CUDA streams and events are recording fakes here (`fake_cuda`): each stream has 
 name, each thread a current stream (the default one until a `torch.cuda.stream`
 block says otherwise), and every wait, record, synchronisation and copy lands in
 one log, in order. NCCL is a recording fake of `ProcessGroupNCCL`. What these
-cannot show (real kernels, real collectives) is in `scripts/gpu_checks_cuda_a.py`.
+cannot show (real kernels, real collectives) is checked on a GPU by
+`scripts/_gpu_checks/findings_1_7.py` (`scripts/gpu-check`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import itertools
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -562,21 +561,3 @@ def test_row_groups_finds_blocks_of_rows_and_nothing_else() -> None:
     assert row_groups(overlapping) == [(0, 1, 0), (1, 1, 0), (2, 1, 0)]
     assert row_groups([None, *block[:2], None]) == [(0, 1, 0), (1, 2, 20), (3, 1, 0)]
     assert row_groups([]) == []
-
-
-# -- the GPU checks of these findings -------------------------------------------------------
-
-
-def test_the_gpu_checks_are_listed_once_each_and_refuse_to_run_without_cuda(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
-    checks = importlib.import_module("gpu_checks_cuda_a")
-    names = [name for name, _ in checks.CHECKS]
-    assert len(set(names)) == len(names) == 6
-    for name, check in checks.CHECKS:
-        assert check.__name__ == "check_" + name.replace("-", "_")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for _, check in checks.CHECKS:
-        with pytest.raises(RuntimeError, match=r"^CUDA is not available here$"):
-            check({})

@@ -3,7 +3,7 @@
 A recording fake of `torch.cuda` (streams, events, the current stream per thread,
 device syncs, host registration, memory pools) stands in for the GPU; each test
 shows what asyncwt asks of CUDA, where and in which order. What needs the device
-itself is in `scripts/gpu_checks_cuda_b.py`.
+itself is checked on a GPU by `scripts/_gpu_checks/findings_8_14.py` (`scripts/gpu-check`).
 """
 
 from __future__ import annotations
