@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import io
 import json
+import secrets
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import _models
 import aiohttp
@@ -23,7 +25,7 @@ import pytest
 from _faults import assert_worker_has, info_for, proc_rss, read_line, worker_env
 
 from asyncwt import HttpClient, ModuleSource, WeightTransferConfig, trainer_init
-from asyncwt._cli.launch import stop_worker
+from asyncwt._cli.launch import start_worker, stop_worker
 from asyncwt._worker.server import serve
 from asyncwt._worker.server_limits import ServerLimits
 
@@ -251,3 +253,70 @@ def test_a_full_server_evicts_slow_newcomers_before_a_served_idle_connection() -
         finally:
             for sock in socks:
                 sock.close()
+
+
+# -- issue 32: clients without the key, compressed and chunked bodies -----------------
+
+
+@contextlib.contextmanager
+def flood_without_the_key(port: int, per_second: int) -> Iterator[None]:
+    """A process opening `per_second` connections a second to the worker, each sending
+    one request without the API key and then holding its connection idle."""
+    flood = subprocess.Popen(
+        [sys.executable, str(_FLOOD), str(port), str(per_second)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert read_line(flood, 30) == "flooding"
+        yield
+    finally:
+        flood.kill()
+        flood.wait()
+        assert flood.stdout is not None
+        flood.stdout.close()
+
+
+_FLOOD = Path(__file__).with_name("_flood.py")
+
+
+@uvloop_only
+async def test_clients_without_the_key_never_take_the_trainers_connection(
+    tmp_path: Path,
+) -> None:
+    """300 connections a second without the API key, each idle after its 401, against
+    a worker with max_connections=32: every round of the trainer completes bit-exact
+    (a 401 closes its connection, a connection that never presented the key is
+    evicted first, and one that did is never evicted for a newcomer), and the
+    refusals are logged once per interval, not once each."""
+    key = secrets.token_urlsafe(16)
+    log = tmp_path / "worker.log"
+    model = _models.mixed()
+    with log.open("wb") as stderr:
+        proc, url = start_worker(
+            "_models:mixed",
+            "--api-key",
+            key,
+            "--max-connections",
+            "32",
+            env=worker_env(),
+            stderr=stderr,
+        )
+        try:
+            with flood_without_the_key(int(url.rsplit(":", 1)[1]), 300):
+                async with HttpClient(url, api_key=key, timeout=20) as client:
+                    with anyio.fail_after(60):
+                        engine = await trainer_init(
+                            info_for("tcp"), client=client, source=ModuleSource(model)
+                        )
+                        async with engine:
+                            for seed in range(12):
+                                _models.randomize(model, seed=seed)
+                                await engine.send_weights(weight_version=f"v{seed}")
+                                await assert_worker_has(client, model, f"v{seed}")
+                                await anyio.sleep(0.3)  # idle, as between training steps
+        finally:
+            stop_worker(proc)
+    refusals = [line for line in log.read_text().splitlines() if "no valid API key" in line]
+    assert len(refusals) <= 2, refusals[:5]
+    assert refusals[0].endswith(
+        "WARNING asyncwt.server: GET /weights_status from 127.0.0.1 refused: no valid API key"
+    )
