@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import io
 import json
 import secrets
@@ -320,3 +321,58 @@ async def test_clients_without_the_key_never_take_the_trainers_connection(
     assert refusals[0].endswith(
         "WARNING asyncwt.server: GET /weights_status from 127.0.0.1 refused: no valid API key"
     )
+
+
+async def _post_chunked(port: int, route: str, nbytes: int) -> bytes:
+    """POST `nbytes` of junk to `route` in 64 KiB chunks, stopping early once the worker
+    answers; its status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head.encode())
+        answer = asyncio.ensure_future(reader.readline())
+        chunk = b"10000\r\n" + b"x" * (64 << 10) + b"\r\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(nbytes // (64 << 10)):
+                if answer.done():
+                    break
+                writer.write(chunk)
+                await writer.drain()
+            else:
+                writer.write(b"0\r\n\r\n")
+        return await answer
+    finally:
+        writer.close()
+
+
+async def _post_gzip(url: str, route: str, payload: bytes) -> tuple[int, str]:
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as session,
+        session.post(url + route, data=payload, headers=headers) as response,
+    ):
+        return response.status, (await response.json())["error"]
+
+
+@uvloop_only
+async def test_compressed_and_chunked_bodies_are_refused_before_they_are_held() -> None:
+    """80 gzip bombs (59 KiB inflating to 60 MiB) and 20 chunked bodies of 16 MiB,
+    all at once, to a route whose limit is 64 KiB: the bombs are answered 415 without
+    being inflated, the chunked bodies 413 once past the limit, and the worker's
+    memory stays within a few MiB of where it was."""
+    bomb = gzip.compress(b"{" + b" " * (60 << 20) + b"}", 9)
+    with worker_with_fd_limit(1024) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        rss_before = proc_rss(proc.pid)
+        with anyio.fail_after(60):
+            bombs = [_post_gzip(url, "/finish_weight_update", bomb) for _ in range(80)]
+            chunked = [_post_chunked(port, "/start_weight_update", 16 << 20) for _ in range(20)]
+            answers = await asyncio.gather(*bombs, *chunked)
+        rss_after = proc_rss(proc.pid)
+    refused = (
+        "request body of /finish_weight_update has Content-Encoding 'gzip'; the worker "
+        "takes only uncompressed bodies (send it without Content-Encoding)"
+    )
+    assert set(answers[:80]) == {(415, refused)}
+    assert {status.split(b" ", 2)[1] for status in answers[80:]} == {b"413"}
+    assert rss_after - rss_before < 32 << 20
