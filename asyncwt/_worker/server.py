@@ -9,7 +9,7 @@ Routes (every answer is JSON; an error is `{"error": message}`, never a stack tr
                                         "round_id"?, "trainer_id"?}          200 | 400 | 409 | 500
     POST /shutdown_weight_transfer_engine  {}                                200 | 400 | 500
     GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
-                               "backend", "initialized"}
+                               "backend", "initialized", "untouched_params"}
 
 Rounds follow `RoundState` (see `_rounds.py`): a version is published only by the
 finish that closes the round its start opened, once every update and the drain of
