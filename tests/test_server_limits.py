@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import io
 import json
+import logging
 import secrets
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from _faults import assert_worker_has, info_for, proc_rss, read_line, worker_env
 from asyncwt import HttpClient, ModuleSource, WeightTransferConfig, trainer_init
 from asyncwt._cli.launch import start_worker, stop_worker
 from asyncwt._worker.server import serve
-from asyncwt._worker.server_limits import ServerLimits
+from asyncwt._worker.server_limits import ServerLimits, ThrottledLog
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 
@@ -302,7 +303,12 @@ async def test_clients_without_the_key_never_take_the_trainers_connection(
             stderr=stderr,
         )
         try:
-            with flood_without_the_key(int(url.rsplit(":", 1)[1]), 300):
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as refused:
+                refused.sendall(b"GET /weights_status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                closed, answer = _closed_within(refused, 10)
+            assert closed and answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n"), answer
+            with flood_without_the_key(port, 300):
                 async with HttpClient(url, api_key=key, timeout=20) as client:
                     with anyio.fail_after(60):
                         engine = await trainer_init(
@@ -376,3 +382,21 @@ async def test_compressed_and_chunked_bodies_are_refused_before_they_are_held() 
     assert set(answers[:80]) == {(415, refused)}
     assert {status.split(b" ", 2)[1] for status in answers[80:]} == {b"413"}
     assert rss_after - rss_before < 32 << 20
+
+
+@uvloop_only
+async def test_a_throttled_log_writes_one_line_per_interval_with_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """100 refusals in a burst: the first is logged at once, the other 99 in one line
+    once the interval is over, naming the latest."""
+    log = ThrottledLog("%s refused: no valid API key", interval=0.2)
+    with caplog.at_level(logging.WARNING, logger="asyncwt.server"):
+        for index in range(100):
+            log.event(f"GET /r{index}")
+        await anyio.sleep(0.5)
+    held = "(99 more like it in the last 0.2s, not logged one by one)"
+    assert [record.getMessage() for record in caplog.records] == [
+        "GET /r0 refused: no valid API key",
+        f"GET /r99 refused: no valid API key {held}",
+    ]

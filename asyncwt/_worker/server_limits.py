@@ -272,6 +272,46 @@ async def return_memory(
                 await anyio.to_thread.run_sync(trim, 0)
 
 
+class ThrottledLog:
+    """Logs a repeated event at most once per `interval` seconds, with the count of
+    those it held back: a refusal any client can provoke at will costs one line per
+    interval, not one per request.
+    """
+
+    def __init__(self, message: str, *, interval: float = 10.0) -> None:
+        self.message = message
+        """Logged at WARNING with `%s` filled by the latest event's detail."""
+        self.interval = interval
+        self._last = -float("inf")
+        self._held = 0
+        self._latest = ""
+        self._flush: asyncio.TimerHandle | None = None
+
+    def event(self, detail: str) -> None:
+        """One occurrence; `detail` says which (a method and path, a peer)."""
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            logger.warning(self.message, detail)
+            return
+        self._held += 1
+        self._latest = detail
+        if self._flush is None:
+            delay = self._last + self.interval - now
+            self._flush = asyncio.get_running_loop().call_later(delay, self._report)
+
+    def _report(self) -> None:
+        """The count held back over the interval, in one line (with the latest detail)."""
+        held, self._held, self._flush = self._held, 0, None
+        self._last = time.monotonic()
+        logger.warning(
+            "%s (%d more like it in the last %gs, not logged one by one)",
+            self.message % self._latest,
+            held,
+            self.interval,
+        )
+
+
 # -- connections ------------------------------------------------------------------------
 
 
@@ -297,6 +337,7 @@ class _ConnectionGuard:
         self.waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle | None] = {}
         self.trusted: set[asyncio.BaseTransport] = set()
         """Connections evicted only after the others (never, on a server with a key)."""
+        self._refusals = ThrottledLog("refused a connection: %s")
 
     def opened(self, transport: asyncio.BaseTransport) -> bool:
         """Admit `transport` (evicting a waiting one if full), or refuse it."""
@@ -304,10 +345,7 @@ class _ConnectionGuard:
         if len(self.live) > self.cap:
             victim = self._victim()
             if victim is None:
-                logger.warning(
-                    "refused a connection: max_connections=%d are all busy or trusted",
-                    self.cap,
-                )
+                self._refusals.event(f"max_connections={self.cap} are all busy or trusted")
                 self.live.discard(transport)
                 _abort(transport)
                 return False
@@ -473,43 +511,3 @@ def trust_connection(request: web.Request) -> None:
     guard = request.app.get(GUARD_KEY)
     if guard is not None:
         guard.trust(request.transport)
-
-
-class ThrottledLog:
-    """Logs a repeated event at most once per `interval` seconds, with the count of
-    those it held back: a refusal any client can provoke at will costs one line per
-    interval, not one per request.
-    """
-
-    def __init__(self, message: str, *, interval: float = 10.0) -> None:
-        self.message = message
-        """Logged at WARNING with `%s` filled by the latest event's detail."""
-        self.interval = interval
-        self._last = -float("inf")
-        self._held = 0
-        self._latest = ""
-        self._flush: asyncio.TimerHandle | None = None
-
-    def event(self, detail: str) -> None:
-        """One occurrence; `detail` says which (a method and path, a peer)."""
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self._last = now
-            logger.warning(self.message, detail)
-            return
-        self._held += 1
-        self._latest = detail
-        if self._flush is None:
-            delay = self._last + self.interval - now
-            self._flush = asyncio.get_running_loop().call_later(delay, self._report)
-
-    def _report(self) -> None:
-        """The count held back over the interval, in one line (with the latest detail)."""
-        held, self._held, self._flush = self._held, 0, None
-        self._last = time.monotonic()
-        logger.warning(
-            "%s (%d more like it in the last %gs, not logged one by one)",
-            self.message % self._latest,
-            held,
-            self.interval,
-        )
