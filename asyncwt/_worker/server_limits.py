@@ -156,7 +156,7 @@ class BodyError(Exception):
 async def read_json_body(request: web.Request) -> Any:
     """The request's body as parsed JSON (`EMPTY` for an empty body).
 
-    Raises `BodyError` (413, 408, 400) naming the setting that refused it.
+    Raises `BodyError` (415, 413, 408, 400) naming what refused it.
     """
     limits = request.app[LIMITS_KEY]
     setting, limit = limits.body_limit(request.path)
