@@ -13,7 +13,8 @@
   and `body_timeout`, refuses a body whose JSON would build more than
   `max_json_items` values before parsing it (a count of `[`, `{` and `,`, which
   bounds the values json builds), and parses a large body in a worker thread, one
-  at a time.
+  at a time. The body stays cached on the request (as `request.read()` leaves
+  it), for middlewares that read it after the handler.
 - `return_memory`: a middleware that gives freed heap back to the system after a
   large request (glibc keeps it otherwise).
 - `ThrottledLog`: one log line per interval for a refusal a client can repeat at
@@ -221,12 +222,19 @@ async def read_json_body(request: web.Request) -> Any:
 
 async def _read_at_most(request: web.Request, limit: int) -> bytes | None:
     """The request's body, or None as soon as more than `limit` bytes arrived (the
-    rest is not read: a chunked body past its limit is never held whole)."""
+    rest is not read: a chunked body past its limit is never held whole).
+
+    aiohttp's `request.read()` bounds a body only by the app's `client_max_size`
+    (the largest route's limit), hence this loop. The body it returns is left in
+    aiohttp's cache, so that a middleware may still `await request.json()` after
+    the handler (as `examples/rollout_worker.py` does).
+    """
     body = bytearray()
     while True:
         chunk = await request.content.readany()
         if not chunk:
-            return bytes(body)
+            raw = request._read_bytes = bytes(body)
+            return raw
         body += chunk
         if len(body) > limit:
             return None
