@@ -616,6 +616,7 @@ def test_every_route_answers_arbitrary_bodies_with_a_clear_json_error(worker: Wo
                 "checksum",
                 "backend",
                 "initialized",
+                "untouched_params",
             }
         check_reply(
             method, path, reply, expected=expected_error(path, raw) if method == "POST" else None

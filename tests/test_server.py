@@ -180,6 +180,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
             "checksum": filled_checksum(1.5),
             "backend": FAKE_BACKEND,
             "initialized": True,
+            "untouched_params": [],
         }
 
         await client.shutdown()

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import io
 import json
+import logging
+import secrets
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import _models
 import aiohttp
@@ -23,9 +27,9 @@ import pytest
 from _faults import assert_worker_has, info_for, proc_rss, read_line, worker_env
 
 from asyncwt import HttpClient, ModuleSource, WeightTransferConfig, trainer_init
-from asyncwt._cli.launch import stop_worker
+from asyncwt._cli.launch import start_worker, stop_worker
 from asyncwt._worker.server import serve
-from asyncwt._worker.server_limits import ServerLimits
+from asyncwt._worker.server_limits import ServerLimits, ThrottledLog
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 
@@ -251,3 +255,148 @@ def test_a_full_server_evicts_slow_newcomers_before_a_served_idle_connection() -
         finally:
             for sock in socks:
                 sock.close()
+
+
+# -- issue 32: clients without the key, compressed and chunked bodies -----------------
+
+
+@contextlib.contextmanager
+def flood_without_the_key(port: int, per_second: int) -> Iterator[None]:
+    """A process opening `per_second` connections a second to the worker, each sending
+    one request without the API key and then holding its connection idle."""
+    flood = subprocess.Popen(
+        [sys.executable, str(_FLOOD), str(port), str(per_second)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert read_line(flood, 30) == "flooding"
+        yield
+    finally:
+        flood.kill()
+        flood.wait()
+        assert flood.stdout is not None
+        flood.stdout.close()
+
+
+_FLOOD = Path(__file__).with_name("_flood.py")
+
+
+@uvloop_only
+async def test_clients_without_the_key_never_take_the_trainers_connection(
+    tmp_path: Path,
+) -> None:
+    """300 connections a second without the API key, each idle after its 401, against
+    a worker with max_connections=32: every round of the trainer completes bit-exact
+    (a 401 closes its connection, a connection that never presented the key is
+    evicted first, and one that did is never evicted for a newcomer), and the
+    refusals are logged once per interval, not once each."""
+    key = secrets.token_urlsafe(16)
+    log = tmp_path / "worker.log"
+    model = _models.mixed()
+    with log.open("wb") as stderr:
+        proc, url = start_worker(
+            "_models:mixed",
+            "--api-key",
+            key,
+            "--max-connections",
+            "32",
+            env=worker_env(),
+            stderr=stderr,
+        )
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as refused:
+                refused.sendall(b"GET /weights_status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                closed, answer = _closed_within(refused, 10)
+            assert closed and answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n"), answer
+            with flood_without_the_key(port, 300):
+                async with HttpClient(url, api_key=key, timeout=20) as client:
+                    with anyio.fail_after(60):
+                        engine = await trainer_init(
+                            info_for("tcp"), client=client, source=ModuleSource(model)
+                        )
+                        async with engine:
+                            for seed in range(12):
+                                _models.randomize(model, seed=seed)
+                                await engine.send_weights(weight_version=f"v{seed}")
+                                await assert_worker_has(client, model, f"v{seed}")
+                                await anyio.sleep(0.3)  # idle, as between training steps
+        finally:
+            stop_worker(proc)
+    refusals = [line for line in log.read_text().splitlines() if "no valid API key" in line]
+    assert len(refusals) <= 2, refusals[:5]
+    assert refusals[0].endswith(
+        "WARNING asyncwt.server: GET /weights_status from 127.0.0.1 refused: no valid API key"
+    )
+
+
+async def _post_chunked(port: int, route: str, nbytes: int) -> bytes:
+    """POST `nbytes` of junk to `route` in 64 KiB chunks, stopping early once the worker
+    answers; its status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head.encode())
+        answer = asyncio.ensure_future(reader.readline())
+        chunk = b"10000\r\n" + b"x" * (64 << 10) + b"\r\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(nbytes // (64 << 10)):
+                if answer.done():
+                    break
+                writer.write(chunk)
+                await writer.drain()
+            else:
+                writer.write(b"0\r\n\r\n")
+        return await answer
+    finally:
+        writer.close()
+
+
+async def _post_gzip(url: str, route: str, payload: bytes) -> tuple[int, str]:
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as session,
+        session.post(url + route, data=payload, headers=headers) as response,
+    ):
+        return response.status, (await response.json())["error"]
+
+
+@uvloop_only
+async def test_compressed_and_chunked_bodies_are_refused_before_they_are_held() -> None:
+    """80 gzip bombs (59 KiB inflating to 60 MiB) and 20 chunked bodies of 16 MiB,
+    all at once, to a route whose limit is 64 KiB: the bombs are answered 415 without
+    being inflated, the chunked bodies 413 once past the limit, and the worker's
+    memory stays within a few MiB of where it was."""
+    bomb = gzip.compress(b"{" + b" " * (60 << 20) + b"}", 9)
+    with worker_with_fd_limit(1024) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        rss_before = proc_rss(proc.pid)
+        with anyio.fail_after(60):
+            bombs = [_post_gzip(url, "/finish_weight_update", bomb) for _ in range(80)]
+            chunked = [_post_chunked(port, "/start_weight_update", 16 << 20) for _ in range(20)]
+            answers = await asyncio.gather(*bombs, *chunked)
+        rss_after = proc_rss(proc.pid)
+    refused = (
+        "request body of /finish_weight_update has Content-Encoding 'gzip'; the worker "
+        "takes only uncompressed bodies (send it without Content-Encoding)"
+    )
+    assert set(answers[:80]) == {(415, refused)}
+    assert {status.split(b" ", 2)[1] for status in answers[80:]} == {b"413"}
+    assert rss_after - rss_before < 32 << 20
+
+
+@uvloop_only
+async def test_a_throttled_log_writes_one_line_per_interval_with_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """100 refusals in a burst: the first is logged at once, the other 99 in one line
+    once the interval is over, naming the latest."""
+    log = ThrottledLog("%s refused: no valid API key", interval=0.2)
+    with caplog.at_level(logging.WARNING, logger="asyncwt.server"):
+        for index in range(100):
+            log.event(f"GET /r{index}")
+        await anyio.sleep(0.5)
+    held = "(99 more like it in the last 0.2s, not logged one by one)"
+    assert [record.getMessage() for record in caplog.records] == [
+        "GET /r0 refused: no valid API key",
+        f"GET /r99 refused: no valid API key {held}",
+    ]

@@ -95,10 +95,18 @@ class PipelineSettings:
     running in the background until the worker answers) and the round fails with a
     `ControlPlaneError`."""
 
+    partial: bool = False
+    """Opt in to updating only part of the workers' models: the parameters the
+    source yields are sent, and a worker keeps its own values of the others (its
+    `weights_status` names them in `untouched_params`). Without it, a worker whose
+    model has parameters the trainer never sends refuses the init, naming them:
+    a version published with some weights stale is otherwise silent."""
+
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
+        check_bool("partial", self.partial)
         for name in ("bucket_bytes", "num_buffers", "alignment", "read_ahead"):
             check_positive(name, getattr(self, name))
         for name in ("num_buffers", "read_ahead"):
@@ -114,6 +122,7 @@ class PipelineSettings:
             "connect_timeout": self.connect_timeout,
             "recv_timeout": self.recv_timeout,
             "drain_timeout": self.drain_timeout,
+            "partial": self.partial,
         }
 
 
@@ -133,6 +142,10 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     owners: dict[str, Any] | None = None
     """With `senders="owners"`: the ownership layout and every trainer rank's endpoint
     (see `asyncwt._worker.owners`); `None` when rank 0 sends everything."""
+    partial: bool = False
+    """The trainer sends only part of the model (`PipelineSettings.partial`): the
+    worker's parameters outside the plan are left as they are, and reported. Else
+    such parameters fail the init."""
 
     transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
     """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
@@ -147,6 +160,7 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         for name in ("connect_timeout", "recv_timeout", "drain_timeout"):
             check_timeout(name, getattr(self, name))
         check_trainer_id(self.trainer_id)
+        check_bool("partial", self.partial)
         if self.owners is not None and not isinstance(self.owners, dict):
             raise ValueError(f"owners should be a dict or None, got {type(self.owners).__name__}")
 

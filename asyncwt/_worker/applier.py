@@ -88,6 +88,10 @@ class ModelTarget:
     whole tensor), instead of being reassembled or handed over whole."""
     commit: Callable[[], None] | None = None
     """Staged only: moves the shadow copy into the model (None when unstaged)."""
+    untouched: tuple[str, ...] = ()
+    """The model's parameters the plan does not cover, left as they are by every
+    round (only with `resolve(..., partial=True)`; always empty for a model with
+    `load_weights`, whose names the plan need not share)."""
 
     @property
     def device(self) -> torch.device:
@@ -105,13 +109,16 @@ class ModelTarget:
         elementwise: bool = False,
         in_place: bool = True,
         staged: bool = False,
+        partial: bool = False,
     ) -> ModelTarget:
         """Match `plan` against `model`; a parameter it cannot take is a `PlanMismatchError`.
 
         A model with `load_weights` (vLLM's models) takes whatever it accepts, so
         nothing is checked up front; otherwise every plan parameter must exist in
-        `named_parameters()` with the same shape. `in_place=False` is for transports
-        whose bytes arrive in their own memory (shared memory, collectives).
+        `named_parameters()` with the same shape, and every parameter of the model
+        must be in the plan unless `partial` (then those left out are `untouched`).
+        `in_place=False` is for transports whose bytes arrive in their own memory
+        (shared memory, collectives).
 
         `staged=True` allocates the shadow copy now: one extra copy of every plan
         parameter, in the model's dtype and on its device (for a model with
@@ -143,6 +150,9 @@ class ModelTarget:
                     f"the trainer sends {meta.shape}"
                 )
             live[meta.name] = param
+        untouched = tuple(name for name in params if name not in live)
+        if untouched and not partial:
+            raise PlanMismatchError(_uncovered(untouched, len(params)))
         commit = None
         if staged:
             shadow = {
@@ -173,7 +183,7 @@ class ModelTarget:
             (transform is None or elementwise) and _chunks_align(plan, meta, params[meta.name])
             for meta in plan.params
         )
-        return cls(model, plan, transform, None, params, direct, chunks_land, commit)
+        return cls(model, plan, transform, None, params, direct, chunks_land, commit, untouched)
 
     @classmethod
     def _staged_loader(
@@ -229,6 +239,18 @@ def _settled(lane: DeviceLane) -> Iterator[None]:
             yield
     finally:
         lane.record().synchronize()
+
+
+def _uncovered(names: tuple[str, ...], total: int) -> str:
+    """Why a plan that leaves `names` (of `total` parameters) untouched is refused."""
+    shown = ", ".join(repr(n) for n in names[:10])
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return (
+        f"the trainer never sends {len(names)} of the worker's {total} parameters "
+        f"({shown}{more}): every version would leave them stale. Send them (is the "
+        f"trainer's model the worker's?), or opt in to updating part of the model with "
+        f"partial=True in the trainer's init info"
+    )
 
 
 def weights_loader(

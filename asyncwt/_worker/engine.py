@@ -173,6 +173,11 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         """The error that ended a round, with that round's id: it fails that round's
         finish and nothing else, and nothing but a new round clears it."""
         self._trainer_id = ""
+        self._partial = False
+        """The trainer opted in to sending part of the model (`WorkerPlanInfo.partial`)."""
+        self.untouched_params: tuple[str, ...] = ()
+        """The model's parameters that the published version left as they were (the
+        trainer sent part of the model, with `partial=True`)."""
         self._drain_timeout = WorkerPlanInfo.drain_timeout
         self._recv_timeout = WorkerPlanInfo.recv_timeout
         self._receiving = threading.Lock()
@@ -190,6 +195,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         plan: TransferPlan,
         receiver: ReceiverTransport,
         delta: WorkerDelta | None = None,
+        *,
+        partial: bool,
     ) -> ModelTarget:
         target = ModelTarget.resolve(
             model,
@@ -198,6 +205,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             elementwise=self.config.transform_elementwise,
             in_place=receiver.lands_in_place,
             staged=self.config.staged,
+            partial=partial,
         )
         return delta.adapt(target) if delta is not None else target
 
@@ -239,13 +247,14 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         else:
             receiver = self.make_receiver(init_info, plan)
         delta = WorkerDelta(plan) if getattr(init_info, "delta", False) else None
-        target = self._resolve(self.model, plan, receiver, delta)
+        target = self._resolve(self.model, plan, receiver, delta, partial=init_info.partial)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
         self._plan, self._target, self._delta = plan, target, delta
         self._last_round = self._received_round = 0
         self._round_error = None
         self._trainer_id = init_info.trainer_id
+        self._partial = init_info.partial
         self._drain_timeout = init_info.drain_timeout
         self._recv_timeout = init_info.recv_timeout
         if old is not None:
@@ -386,6 +395,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                     f"{type(exc).__name__}: {exc}; {self._outcome()}"
                 ) from exc
         self.weight_version = weight_version
+        self.untouched_params = target.untouched if target is not None else ()
         self.weights_incomplete = False
         if self._delta is not None:
             self._delta.published(round_id)
@@ -425,12 +435,16 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
         if self._plan is not None and self.receiver is not None:
-            self._target = self._resolve(model, self._plan, self.receiver, self._delta)
+            self._target = self._resolve(
+                model, self._plan, self.receiver, self._delta, partial=self._partial
+            )
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
         if self._plan is not None and self.receiver is not None:
-            self._target = self._resolve(self.model, self._plan, self.receiver, self._delta)
+            self._target = self._resolve(
+                self.model, self._plan, self.receiver, self._delta, partial=self._partial
+            )
 
     def shutdown(self) -> None:
         """Disconnect and stop the apply threads (after queued work, up to `drain_timeout`)."""

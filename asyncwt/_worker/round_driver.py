@@ -93,6 +93,9 @@ class RoundDriver:
         self._init_lock = anyio.Lock()
         self._transition = anyio.Lock()
         """Held around the engine's start and finish: they never overlap."""
+        self.untouched_params: tuple[str, ...] = ()
+        """The parameters the published version left as they were (see
+        `DeferredWorkerEngine.untouched_params`); outlives the engine."""
 
     @property
     def weights_incomplete(self) -> bool:
@@ -197,6 +200,8 @@ class RoundDriver:
                     f"published: {reason}"
                 )
             self._note_engine(engine)
+            untouched = getattr(engine, "untouched_params", ())
+            self.untouched_params = tuple(untouched) if isinstance(untouched, tuple) else ()
 
     async def shutdown(self, *, drop: bool) -> None:
         """Shut the engine down (in a thread); `drop` it so the next init builds a new one.
@@ -236,7 +241,9 @@ async def weights_status(
     """What a worker reports about its weights (the server's `GET /weights_status`).
 
     `weight_version` (the last round that completed), `weights_incomplete`, `checksum`
-    (`model_checksum`, computed in a worker thread), `backend` and `initialized`.
+    (`model_checksum`, computed in a worker thread), `backend`, `initialized`, and
+    `untouched_params`: the model's parameters that version left as they were (the
+    trainer opted in to a partial update; empty otherwise).
     """
     checksum = await _in_thread(functools.partial(model_checksum, model))
     return {
@@ -245,4 +252,5 @@ async def weights_status(
         "checksum": checksum,
         "backend": backend,
         "initialized": driver.state.initialized,
+        "untouched_params": list(driver.untouched_params),
     }

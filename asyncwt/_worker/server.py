@@ -9,7 +9,7 @@ Routes (every answer is JSON; an error is `{"error": message}`, never a stack tr
                                         "round_id"?, "trainer_id"?}          200 | 400 | 409 | 500
     POST /shutdown_weight_transfer_engine  {}                                200 | 400 | 500
     GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
-                               "backend", "initialized"}
+                               "backend", "initialized", "untouched_params"}
 
 Rounds follow `RoundState` (see `_rounds.py`): a version is published only by the
 finish that closes the round its start opened, once every update and the drain of
@@ -17,17 +17,19 @@ that round succeeded. The optional `round_id` and `trainer_id` (the trainer engi
 sends them) tie start and finish to the round and trainer the update infos name.
 
 With an API key (`build_app(api_key=...)`, `asyncwt worker --api-key`) every
-request must carry `Authorization: Bearer <key>`, else it is answered 401.
+request must carry `Authorization: Bearer <key>`, else it is answered 401 and its
+connection closed.
 
-400: the body cannot be read (cut short, or not in its Content-Encoding), is not a
+400: the body cannot be read (cut short, or badly chunked), is not a
 JSON object, has unknown keys or values of the wrong type, or the engine rejected the
 info (`ValueError`/`TypeError` from `parse_*_info`). 409: the call needs an
 initialised transfer engine (init it first), or the round state refuses it
 (`RoundConflictError`: out of order, for another round, from another trainer), or
 the engine does (`PlanMismatchError`, `StaleRoundError`). 408: the body did not
 arrive within `body_timeout`. 413: the body is larger than its route's limit
-(`max_body_bytes` or `control_body_bytes`) or holds more than `max_json_items` JSON
-values (`ServerLimits`). 500: the engine failed (`"<ExceptionType>: message"`; the traceback
+(`max_body_bytes` or `control_body_bytes`, counted as it arrives) or holds more than
+`max_json_items` JSON values (`ServerLimits`). 415: the body has a `Content-Encoding`
+(refused before it is inflated). 500: the engine failed (`"<ExceptionType>: message"`; the traceback
 goes to the server log). An unknown route or method is a JSON 404 or 405.
 
 `weight_version` is the version of the last round that completed (a failed round
@@ -63,10 +65,12 @@ from .server_limits import (
     BodyError,
     GuardedSite,
     ServerLimits,
+    ThrottledLog,
     install,
     read_json_body,
     return_memory,
     track_requests,
+    trust_connection,
 )
 
 __all__ = [
@@ -264,8 +268,11 @@ def _auth_middleware(
     api_key: str,
 ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     """Every request, the status route and unknown routes included, must carry
-    `Authorization: Bearer <api_key>`; compared in constant time. Else a JSON 401."""
+    `Authorization: Bearer <api_key>`; compared in constant time. Else a JSON 401,
+    and the connection is closed: a client without the key holds no slot (see
+    `ServerLimits.max_connections`). Refusals are logged once per 10 s with a count."""
     expected = api_key.encode()
+    refusals = ThrottledLog("%s refused: no valid API key")
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -273,8 +280,9 @@ def _auth_middleware(
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(errors="replace"), expected
         ):
-            logger.warning("%s %s refused: no valid API key", request.method, request.path)
-            return web.json_response(
+            peer = request.remote or "unknown peer"
+            refusals.event(f"{request.method} {request.path} from {peer}")
+            refused = web.json_response(
                 {
                     "error": "this worker requires an API key: send 'Authorization: Bearer "
                     "<key>' with the key the worker was started with (--api-key or "
@@ -283,6 +291,9 @@ def _auth_middleware(
                 status=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )
+            refused.force_close()
+            return refused
+        trust_connection(request)
         return await handler(request)
 
     return authenticate
@@ -362,7 +373,7 @@ def build_app(
         middlewares=middlewares,
         client_max_size=max(limits.max_body_bytes, limits.control_body_bytes),
     )
-    install(app, limits)
+    install(app, limits, keyed=key is not None)
     app.add_routes(_routes(worker, model, config))
 
     async def on_shutdown(app: web.Application) -> None:
@@ -412,6 +423,7 @@ async def serve(
         shutdown_timeout=shutdown_timeout,
         keepalive_timeout=limits.keepalive_timeout,
         lingering_time=min(1.0, limits.body_timeout),  # an unread body is not waited for
+        auto_decompress=False,  # a compressed body is refused (415), never inflated
     )
     await runner.setup()
     try:

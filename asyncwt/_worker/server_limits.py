@@ -5,15 +5,20 @@
   connection has `header_timeout` seconds to deliver its first request's headers
   (aiohttp's own `keepalive_timeout` bounds the idle time between later requests).
   At most `max_connections` are open: past that, a newcomer evicts the connection
-  that has waited longest for a request's headers (a slow or idle client), and is
-  itself refused only when every open connection is busy with a request.
-- `read_json_body`: reads a body with the route's size limit and `body_timeout`,
-  refuses a body whose JSON would build more than `max_json_items` values before
-  parsing it (a count of `[`, `{` and `,`, which bounds the values json builds), and
-  parses a large body in a worker thread, one at a time. The body stays cached on
-  the request (`request.read()`), for middlewares that read it after the handler.
+  that has waited longest for a request's headers (a slow or idle client), one that
+  never presented the API key first; it is itself refused only when every open
+  connection is busy with a request or, on a server with an API key, trusted.
+- `read_json_body`: refuses a compressed body (415) before inflating any of it, reads
+  the body with the route's size limit (counted while it arrives, chunked or not)
+  and `body_timeout`, refuses a body whose JSON would build more than
+  `max_json_items` values before parsing it (a count of `[`, `{` and `,`, which
+  bounds the values json builds), and parses a large body in a worker thread, one
+  at a time. The body stays cached on the request (as `request.read()` leaves
+  it), for middlewares that read it after the handler.
 - `return_memory`: a middleware that gives freed heap back to the system after a
   large request (glibc keeps it otherwise).
+- `ThrottledLog`: one log line per interval for a refusal a client can repeat at
+  will (a request without the API key), with the count of those it held back.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import functools
 import json
 import logging
 import resource
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.to_thread
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from .._core.validate import check_positive, check_timeout
 
@@ -45,10 +51,12 @@ __all__ = [
     "BodyError",
     "GuardedSite",
     "ServerLimits",
+    "ThrottledLog",
     "install",
     "read_json_body",
     "return_memory",
     "track_requests",
+    "trust_connection",
 ]
 
 logger = logging.getLogger("asyncwt.server")
@@ -75,14 +83,21 @@ class ServerLimits:
     """Connections open at once; `None` is half the process's file descriptor limit
     (`ulimit -n`), at most 1024, leaving room for the data plane. Past it, a new
     connection evicts the one that has waited longest on its client (for a request's
-    headers or body); when every connection is busy with a request, the newcomer is
-    refused."""
+    headers or body), one that never presented the API key (or, without a key, never
+    completed a request) first; on a server with an API key a connection that
+    presented it is never evicted for a newcomer. When no connection can be evicted,
+    the newcomer is refused."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest body of `init_weight_transfer_engine` and `update_weights`, which
     carry the trainer's plan (a name, dtype and shape per parameter: a few MiB for
     the largest models) or a backend's per-parameter lists."""
     control_body_bytes: int = 64 << 10
-    """Largest body of every other route (`{}`, or a weight version)."""
+    """Largest body of every other route (`{}`, or a weight version).
+
+    Both limits count the bytes as they arrive, chunked or not; a body with a
+    `Content-Encoding` (gzip, deflate, ...) is refused (415) before any of it is
+    inflated: no asyncwt client compresses, and a small compressed body can inflate
+    a thousandfold."""
     max_json_items: int = 2_000_000
     """Most JSON values (counting the `[`, `{` and `,` of the body) a body may hold,
     checked before it is parsed: bounds the memory and time the parse takes (the
@@ -142,7 +157,7 @@ class BodyError(Exception):
 async def read_json_body(request: web.Request) -> Any:
     """The request's body as parsed JSON (`EMPTY` for an empty body).
 
-    Raises `BodyError` (413, 408, 400) naming the setting that refused it.
+    Raises `BodyError` (415, 413, 408, 400) naming what refused it.
     """
     limits = request.app[LIMITS_KEY]
     setting, limit = limits.body_limit(request.path)
@@ -152,26 +167,26 @@ async def read_json_body(request: web.Request) -> Any:
             413,
             f"request body of {request.path} is {declared} bytes, larger than {setting}={limit}",
         )
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BodyError(
+            415,
+            f"request body of {request.path} has Content-Encoding {encoding!r}; the worker "
+            f"takes only uncompressed bodies (send it without Content-Encoding)",
+        )
     guard = request.app.get(GUARD_KEY)
     if guard is not None:
         guard.reading(request.transport)
     try:
-        # `request.read()` (not a stream of our own) so that the body stays cached for
-        # middlewares that read it after the handler; the app's `client_max_size`
-        # bounds a body without a Content-Length while it is read.
         with anyio.fail_after(limits.body_timeout):
-            raw = await request.read()
+            raw = await _read_at_most(request, limit)
     except TimeoutError:
         raise BodyError(
             408,
             f"request body of {request.path} did not arrive within "
             f"body_timeout={limits.body_timeout}s ({request.content.total_bytes} bytes came)",
         ) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyError(
-            413, f"request body of {request.path} is larger than {setting}={limit} bytes"
-        ) from None
-    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+    except web.RequestPayloadError as exc:  # e.g. bad chunking
         reason = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
         raise BodyError(400, f"request body could not be read: {reason}") from None
     except ConnectionError:  # the client left mid-body: its doing, not the server's
@@ -179,10 +194,11 @@ async def read_json_body(request: web.Request) -> Any:
     finally:
         if guard is not None:
             guard.busy(request.transport)
-    if len(raw) > limit:
+    if raw is None:
         raise BodyError(
             413,
-            f"request body of {request.path} is {len(raw)} bytes, larger than {setting}={limit}",
+            f"request body of {request.path} is larger than {setting}={limit} bytes "
+            f"({request.content.total_bytes} bytes came before it was refused)",
         )
     items = raw.count(b"[") + raw.count(b"{") + raw.count(b",")
     if items > limits.max_json_items:
@@ -202,6 +218,26 @@ async def read_json_body(request: web.Request) -> Any:
     if _parse_limiter is None:
         _parse_limiter = anyio.CapacityLimiter(1)  # one large parse at a time: bounded memory
     return await anyio.to_thread.run_sync(_loads, raw, limiter=_parse_limiter)
+
+
+async def _read_at_most(request: web.Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as more than `limit` bytes arrived (the
+    rest is not read: a chunked body past its limit is never held whole).
+
+    aiohttp's `request.read()` bounds a body only by the app's `client_max_size`
+    (the largest route's limit), hence this loop. The body it returns is left in
+    aiohttp's cache, so that a middleware may still `await request.json()` after
+    the handler (as `examples/rollout_worker.py` does).
+    """
+    body = bytearray()
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            raw = request._read_bytes = bytes(body)
+            return raw
+        body += chunk
+        if len(body) > limit:
+            return None
 
 
 def _loads(raw: bytes) -> Any:
@@ -244,6 +280,46 @@ async def return_memory(
                 await anyio.to_thread.run_sync(trim, 0)
 
 
+class ThrottledLog:
+    """Logs a repeated event at most once per `interval` seconds, with the count of
+    those it held back: a refusal any client can provoke at will costs one line per
+    interval, not one per request.
+    """
+
+    def __init__(self, message: str, *, interval: float = 10.0) -> None:
+        self.message = message
+        """Logged at WARNING with `%s` filled by the latest event's detail."""
+        self.interval = interval
+        self._last = -float("inf")
+        self._held = 0
+        self._latest = ""
+        self._flush: asyncio.TimerHandle | None = None
+
+    def event(self, detail: str) -> None:
+        """One occurrence; `detail` says which (a method and path, a peer)."""
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            logger.warning(self.message, detail)
+            return
+        self._held += 1
+        self._latest = detail
+        if self._flush is None:
+            delay = self._last + self.interval - now
+            self._flush = asyncio.get_running_loop().call_later(delay, self._report)
+
+    def _report(self) -> None:
+        """The count held back over the interval, in one line (with the latest detail)."""
+        held, self._held, self._flush = self._held, 0, None
+        self._last = time.monotonic()
+        logger.warning(
+            "%s (%d more like it in the last %gs, not logged one by one)",
+            self.message % self._latest,
+            held,
+            self.interval,
+        )
+
+
 # -- connections ------------------------------------------------------------------------
 
 
@@ -252,18 +328,24 @@ class _ConnectionGuard:
 
     A connection is *waiting* while it waits on its client: for a (next) request's
     headers, from its start and again once a request's handler returned, and for a
-    request's body. Waiting ones are kept oldest first; a new connection past
-    `max_connections` evicts the oldest that never completed a request, else the
-    oldest.
+    request's body. Waiting ones are kept oldest first. A connection is *trusted*
+    once it presented the API key (`trust`), or, on a server without one
+    (`keyed=False`), once it completed a request. A new connection past
+    `max_connections` evicts the oldest waiting one that is not trusted; failing
+    that, on a server without a key, the oldest waiting one. A trusted connection
+    of a server with a key is never evicted for a newcomer: a client without the
+    key cannot take the trainer's place.
     """
 
-    def __init__(self, limits: ServerLimits) -> None:
+    def __init__(self, limits: ServerLimits, *, keyed: bool = False) -> None:
         self.limits = limits
+        self.keyed = keyed
         self.cap = limits.connection_cap()
         self.live: set[asyncio.BaseTransport] = set()
         self.waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle | None] = {}
-        self.served: set[asyncio.BaseTransport] = set()
-        """Connections that completed a request (evicted only after the others)."""
+        self.trusted: set[asyncio.BaseTransport] = set()
+        """Connections evicted only after the others (never, on a server with a key)."""
+        self._refusals = ThrottledLog("refused a connection: %s")
 
     def opened(self, transport: asyncio.BaseTransport) -> bool:
         """Admit `transport` (evicting a waiting one if full), or refuse it."""
@@ -271,10 +353,7 @@ class _ConnectionGuard:
         if len(self.live) > self.cap:
             victim = self._victim()
             if victim is None:
-                logger.warning(
-                    "refused a connection: max_connections=%d are all busy",
-                    self.cap,
-                )
+                self._refusals.event(f"max_connections={self.cap} are all busy or trusted")
                 self.live.discard(transport)
                 _abort(transport)
                 return False
@@ -286,12 +365,13 @@ class _ConnectionGuard:
         return True
 
     def _victim(self) -> asyncio.BaseTransport | None:
-        """The connection to evict: the longest-waiting one that never completed a
-        request (a slowloris), else the longest-waiting one; never one whose
-        response is still being written."""
+        """The connection to evict: the longest-waiting one that is not trusted (a
+        slowloris, a client without the key), else, without a key, the
+        longest-waiting one; never one whose response is still being written."""
         candidates = [t for t in self.waiting if _write_buffer_empty(t)]
-        fresh = (t for t in candidates if t not in self.served)
-        return next(fresh, candidates[0] if candidates else None)
+        fresh = (t for t in candidates if t not in self.trusted)
+        fallback = candidates[0] if candidates and not self.keyed else None
+        return next(fresh, fallback)
 
     def _expire(self, transport: asyncio.BaseTransport) -> None:
         if self.waiting.get(transport) is not None:
@@ -303,6 +383,11 @@ class _ConnectionGuard:
         handle = self.waiting.pop(transport, None)  # type: ignore[arg-type]
         if handle is not None:
             handle.cancel()
+
+    def trust(self, transport: asyncio.BaseTransport | None) -> None:
+        """`transport` presented the API key."""
+        if transport is not None and transport in self.live:
+            self.trusted.add(transport)
 
     def reading(self, transport: asyncio.BaseTransport | None) -> None:
         """`transport` is sending a request's body: waiting on its client, the newest
@@ -317,12 +402,13 @@ class _ConnectionGuard:
         if transport is not None and transport in self.live:
             self.waiting.pop(transport, None)
             self.waiting[transport] = None
-            self.served.add(transport)
+            if not self.keyed:
+                self.trusted.add(transport)
 
     def drop(self, transport: asyncio.BaseTransport) -> None:
         self.busy(transport)
         self.live.discard(transport)
-        self.served.discard(transport)
+        self.trusted.discard(transport)
 
 
 def _write_buffer_empty(transport: asyncio.BaseTransport) -> bool:
@@ -421,7 +507,15 @@ class GuardedSite(web.BaseSite):
         )
 
 
-def install(app: web.Application, limits: ServerLimits) -> None:
-    """Give `app` its limits and a connection guard (used by `GuardedSite`)."""
+def install(app: web.Application, limits: ServerLimits, *, keyed: bool = False) -> None:
+    """Give `app` its limits and a connection guard (used by `GuardedSite`); `keyed`:
+    the app requires an API key, whose middleware calls `trust_connection`."""
     app[LIMITS_KEY] = limits
-    app[GUARD_KEY] = _ConnectionGuard(limits)
+    app[GUARD_KEY] = _ConnectionGuard(limits, keyed=keyed)
+
+
+def trust_connection(request: web.Request) -> None:
+    """`request` presented the API key: its connection is never evicted for a newcomer."""
+    guard = request.app.get(GUARD_KEY)
+    if guard is not None:
+        guard.trust(request.transport)
