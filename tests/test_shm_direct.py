@@ -32,6 +32,7 @@ from asyncwt import (
     ShmTrainerInitInfo,
     ShmWorkerInitInfo,
     TransferError,
+    model_checksum,
     trainer_init,
 )
 from asyncwt._cli.launch import start_worker, stop_worker, worker_process
@@ -511,3 +512,41 @@ def test_a_failed_stream_fails_the_bucket_with_a_transfer_error() -> None:
         assert _read_threads()
         receiver.close()
     assert not _read_threads()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.parametrize(
+    "elementwise", [True, False], ids=["elementwise", "whole-tensor"]
+)  # fmt: skip
+async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
+    elementwise: bool,
+) -> None:
+    """Three ring workers whose transform doubles what it is given in place: each
+    must hold exactly twice the trainer's weights, round after round (the transform
+    is given the worker's own copy of a bucket, never the ring slot the other
+    workers read)."""
+    args = ["--backend", "shm", "--transform", "_models:doubling_transform"]
+    if elementwise:
+        args.append("--transform-elementwise")
+    with (
+        worker_process("_models:mixed", *args, env=worker_env()) as a,
+        worker_process("_models:mixed", *args, env=worker_env()) as b,
+        worker_process("_models:mixed", *args, env=worker_env()) as c,
+    ):
+        async with HttpClient([a, b, c]) as client:
+            model = _models.mixed()
+            info = info_for("shm", workers=3, direct_reads=False)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                for r in range(1, 4):
+                    _models.randomize(model, seed=r)
+                    await engine.send_weights(weight_version=f"v{r}")
+                    multiples = {
+                        model_checksum(_models.scaled(model, k)): f"{k}x" for k in (1, 2, 4, 8)
+                    }
+                    held = [
+                        multiples.get(s["checksum"], "?") for s in await client.weights_status()
+                    ]
+                    assert held == ["2x"] * 3, f"round {r}: the workers hold {held}"
+                    await assert_worker_has(client, _models.scaled(model, 2), f"v{r}")
+    assert not shm_leftovers()
