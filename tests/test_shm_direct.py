@@ -53,7 +53,8 @@ from asyncwt._transports.shm.cma import (
     read_from,
     split_ranges,
 )
-from asyncwt._transports.wire import Frame, FrameKind, digest_prefix
+from asyncwt._transports.shm.ring import RingReceiver
+from asyncwt._transports.wire import FRAME_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget
 from asyncwt._worker.engine import ReceivePool
 
@@ -550,3 +551,66 @@ async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
                     assert held == ["2x"] * 3, f"round {r}: the workers hold {held}"
                     await assert_worker_has(client, _models.scaled(model, 2), f"v{r}")
     assert not shm_leftovers()
+
+
+class _MemoryRing(RingReceiver):
+    """A ring whose slots are plain tensors of this process (the shared ring's logic,
+    as `shm` and `cuda_ipc` run it, without the mapping)."""
+
+    def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan, pool: ReceivePool) -> None:
+        super().__init__(info, plan, lambda: pool)
+        self.slots = [
+            torch.randint(0, 256, (plan.bucket_bytes,), dtype=torch.uint8) for _ in range(2)
+        ]
+
+    def map_ring(self) -> list[torch.Tensor]:
+        return self.slots
+
+
+@pytest.mark.parametrize(
+    "transform", [None, _models.doubling_transform], ids=["plain", "transform"]
+)
+def test_a_ring_slot_reaches_user_code_only_as_a_copy_in_reused_worker_buffers(
+    transform: Any,
+) -> None:
+    """With a transform (or `load_weights`) each announced slot is copied into one of
+    the worker's own receive buffers (the same two, bucket after bucket) and released
+    at once; without one the applier reads the slot in place and releases it after."""
+    plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
+    info = ShmWorkerInitInfo(
+        host="127.0.0.1", port=5, token="t" * 32, plan=plan.to_wire(), num_buffers=2,
+        segments=["asyncwt_0123456789abcdef_0", "asyncwt_0123456789abcdef_1"],
+    )  # fmt: skip
+    pool = ReceivePool(2, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
+    ring = _MemoryRing(info, plan, pool)
+    ring.buffers = ring.map_ring()
+    target = ModelTarget.resolve(_models.mixed(), plan, transform, in_place=False)
+    worker_end, trainer_end = socket.socketpair()
+    link = WorkerLink(worker_end, plan, 5.0)
+    seen = set()
+    with trainer_end, worker_end:
+        for round_id in (1, 2, 3):
+            for bucket in plan.buckets:
+                slot = bucket.index % 2
+                frame = Frame(
+                    FrameKind.BUCKET, round_id, bucket.index, digest_prefix(plan.digest),
+                    bucket.payload_bytes, slot,
+                )  # fmt: skip
+                received = ring.received(link, round_id, frame, target)
+                assert received.buffer is not None
+                shown = received.buffer[: bucket.buffer_bytes]
+                assert torch.equal(shown, ring.slots[slot][: bucket.buffer_bytes])
+                if transform is None:
+                    assert received.buffer is ring.slots[slot]
+                    received.release()  # the applier is done with the slot
+                else:
+                    assert all(received.buffer.data_ptr() != s.data_ptr() for s in ring.slots)
+                    seen.add(received.buffer.data_ptr())
+                released = Frame.unpack(trainer_end.recv(FRAME_SIZE, socket.MSG_WAITALL))
+                assert (released.kind, released.index, released.slot) == (
+                    FrameKind.RELEASE, bucket.index, slot
+                )  # fmt: skip
+                if transform is not None:
+                    received.release()  # the applier is done with the worker's copy
+    # 3 rounds of every bucket went through the pool's two buffers, allocated once.
+    assert len(seen) == (0 if transform is None else 2) and len(plan.buckets) > 2
