@@ -23,7 +23,7 @@ import anyio
 import pytest
 import torch
 from _faults import assert_worker_has, info_for, proc_threads, shm_leftovers, worker_env
-from _fuzzkit import trainer_links
+from _fuzzkit import HostRing, trainer_links
 
 from asyncwt import (
     HttpClient,
@@ -53,7 +53,6 @@ from asyncwt._transports.shm.cma import (
     read_from,
     split_ranges,
 )
-from asyncwt._transports.shm.ring import RingReceiver
 from asyncwt._transports.wire import FRAME_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget
 from asyncwt._worker.engine import ReceivePool
@@ -553,20 +552,6 @@ async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
     assert not shm_leftovers()
 
 
-class _MemoryRing(RingReceiver):
-    """A ring whose slots are plain tensors of this process (the shared ring's logic,
-    as `shm` and `cuda_ipc` run it, without the mapping)."""
-
-    def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan, pool: ReceivePool) -> None:
-        super().__init__(info, plan, lambda: pool)
-        self.slots = [
-            torch.randint(0, 256, (plan.bucket_bytes,), dtype=torch.uint8) for _ in range(2)
-        ]
-
-    def map_ring(self) -> list[torch.Tensor]:
-        return self.slots
-
-
 @pytest.mark.parametrize(
     "transform", [None, _models.doubling_transform], ids=["plain", "transform"]
 )
@@ -582,8 +567,8 @@ def test_a_ring_slot_reaches_user_code_only_as_a_copy_in_reused_worker_buffers(
         segments=["asyncwt_0123456789abcdef_0", "asyncwt_0123456789abcdef_1"],
     )  # fmt: skip
     pool = ReceivePool(2, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
-    ring = _MemoryRing(info, plan, pool)
-    ring.buffers = ring.map_ring()
+    ring = HostRing(info, plan, lambda: pool)
+    ring.buffers = slots = [torch.randint_like(slot, 0, 256) for slot in ring.map_ring()]
     target = ModelTarget.resolve(_models.mixed(), plan, transform, in_place=False)
     worker_end, trainer_end = socket.socketpair()
     link = WorkerLink(worker_end, plan, 5.0)
@@ -599,12 +584,12 @@ def test_a_ring_slot_reaches_user_code_only_as_a_copy_in_reused_worker_buffers(
                 received = ring.received(link, round_id, frame, target)
                 assert received.buffer is not None
                 shown = received.buffer[: bucket.buffer_bytes]
-                assert torch.equal(shown, ring.slots[slot][: bucket.buffer_bytes])
+                assert torch.equal(shown, slots[slot][: bucket.buffer_bytes])
                 if transform is None:
-                    assert received.buffer is ring.slots[slot]
+                    assert received.buffer is slots[slot]
                     received.release()  # the applier is done with the slot
                 else:
-                    assert all(received.buffer.data_ptr() != s.data_ptr() for s in ring.slots)
+                    assert all(received.buffer.data_ptr() != s.data_ptr() for s in slots)
                     seen.add(received.buffer.data_ptr())
                 released = Frame.unpack(trainer_end.recv(FRAME_SIZE, socket.MSG_WAITALL))
                 assert (released.kind, released.index, released.slot) == (
