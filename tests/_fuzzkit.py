@@ -230,7 +230,8 @@ def frame_receiver(
 ) -> tuple[Any, ModelTarget]:
     """A worker's receiver for `transport` ("tcp" or "ring") reading `sock`, and its target.
 
-    The tcp receiver stages through `pool`; the ring receiver reads its own two slots.
+    The tcp receiver stages through `pool`; the ring receiver reads its own two slots
+    (and copies out into `pool` for a target that hands out buffers).
     """
     info = TcpWorkerInitInfo(
         plan=plan.to_wire(), host="127.0.0.1", port=1, token=TOKEN, recv_timeout=2.0
@@ -239,7 +240,7 @@ def frame_receiver(
         receiver: Any = TcpReceiver(info, plan, pool)
         receiver.link = WorkerLink(sock, plan, 2.0, slots=1)
         return receiver, ModelTarget.resolve(model, plan, None)
-    receiver = HostRing(info, plan)
+    receiver = HostRing(info, plan, lambda: pool)
     receiver.buffers = receiver.map_ring()
     receiver.link = WorkerLink(sock, plan, 2.0, slots=RING_SLOTS)
     return receiver, ModelTarget.resolve(model, plan, None, in_place=False)

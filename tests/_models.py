@@ -7,6 +7,7 @@ trainer will send.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -79,6 +80,21 @@ def randomize(model: nn.Module, seed: int) -> None:
 def identity_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Routes every parameter through the background applier's copy path."""
     return tensor
+
+
+def doubling_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Doubles what it is given in place and returns it (elementwise, as the docs allow)."""
+    return tensor.mul_(2)
+
+
+def scaled(model: nn.Module, factor: int) -> nn.Module:
+    """A copy of `model` with every parameter times `factor` (`doubling_transform`
+    applied once is 2)."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in copied.parameters():
+            param.mul_(factor)
+    return copied
 
 
 def slow_transform(name: str, tensor: torch.Tensor) -> torch.Tensor:

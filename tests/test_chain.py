@@ -459,3 +459,64 @@ async def test_drop_cuts_out_a_middle_worker_stopped_mid_round(pool: Pool) -> No
         wait_until(stopped.gone, 10, "the stopped worker to go")
     for worker in live.values():
         worker.kill()
+
+
+class KillThenFail(FaultySource):
+    """While `failures` is positive, each iteration kills `victim` (if set) once the
+    round is under way, then fails before yielding the first parameter: the round
+    ends before the trainer sent any byte."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.victim: int | None = None
+        self.failures = 0
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.failures:
+            self.failures -= 1
+            time.sleep(0.5)  # every worker is in the round
+            if self.victim is not None:
+                os.kill(self.victim, signal.SIGKILL)
+                self.victim = None
+                time.sleep(1.0)  # the trainer sees the worker go first
+            raise RuntimeError("the source fails before its first parameter")
+        yield from super().iter_full()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_a_chain_round_that_fails_before_any_byte_leaves_the_weights_complete(
+    pool: Pool,
+) -> None:
+    """The chain's tail is killed once the round is under way, and the round fails
+    before the trainer sent a byte: the middle worker's forward breaks, yet nothing
+    landed, so the head and the middle keep the previous version complete
+    (`weights_incomplete` false); the next round drops the dead tail and is
+    bit-exact on both without a new trainer_init."""
+    workers = [pool.take() for _ in range(3)]
+    model = _models.mixed()
+    source = KillThenFail(model)
+    async with HttpClient([w.url for w in workers], timeout=20) as client:
+        info = chain_info(on_worker_failure="drop")
+        engine = await trainer_init(info, client=client, source=source)
+        async with engine:
+            _models.randomize(model, seed=700)
+            await engine.send_weights(weight_version="v0")
+            published = model_checksum(model)
+            *survivors, tail = chain_of(engine)
+            # The round runs again without the dead tail, and fails again the same way.
+            source.victim, source.failures = next(w.pid for w in workers if w.url == tail), 2
+            _models.randomize(model, seed=701)
+            with anyio.fail_after(20), pytest.raises(RuntimeError, match=r"^the source fails"):
+                await engine.send_weights(weight_version="never")
+            held = []
+            for url in survivors:
+                answer = await status(url)
+                held.append((answer["weight_version"], answer["weights_incomplete"]))
+                assert answer["checksum"] == published, "no byte of the round was sent"
+            assert held == [("v0", False), ("v0", False)]
+            stats = await engine.send_weights(weight_version="v1")
+            assert stats.workers == 2
+            await assert_holds(survivors, model, "v1")
+    for worker in workers:
+        if worker.url != tail:
+            worker.kill()

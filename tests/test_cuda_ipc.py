@@ -3,6 +3,7 @@ are marked `cuda` and run on the lent GPU machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -64,3 +65,32 @@ async def test_cuda_ipc_rounds_are_bit_exact(workers: int) -> None:
     finally:
         for cm in reversed(stack):
             cm.__exit__(None, None, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_cuda_ipc_workers_with_an_in_place_transform_each_apply_it_once() -> None:
+    """Three workers on the ring whose transform doubles what it is given in place:
+    each holds exactly twice the trainer's weights (it was given its own copy of each
+    bucket on its GPU, never the ring slot the others read)."""
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    args = ("--backend", "cuda_ipc", "--transform", "_models:doubling_transform")
+    with contextlib.ExitStack() as stack:
+        urls = [
+            stack.enter_context(worker_process("_models:mixed_cuda", *args, env=env))
+            for _ in range(3)
+        ]
+        model = _models.mixed_cuda()
+        async with HttpClient(urls) as client:
+            info = CudaIpcTrainerInitInfo(rank=0, bucket_bytes=_models.BUCKET_BYTES)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                for r in range(1, 4):
+                    _models.randomize(model, seed=r)
+                    await engine.send_weights(weight_version=f"ipc-{r}")
+                    expected = model_checksum(_models.scaled(model, 2))
+                    for status in await client.weights_status():
+                        assert (status["weight_version"], status["checksum"]) == (
+                            f"ipc-{r}",
+                            expected,
+                        )

@@ -11,6 +11,7 @@ is bit-exact again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import subprocess
 import time
@@ -22,6 +23,7 @@ import anyio
 import pytest
 import torch
 import xxhash
+import zstandard
 from _faults import (
     SMALL_TIMEOUTS,
     FaultySource,
@@ -55,10 +57,12 @@ from asyncwt._core.plan import Bucket, Slice, TransferPlan
 from asyncwt._delta.codec import (
     DELTA_HEADER_SIZE,
     DeltaHeader,
+    Encoded,
     Encoding,
     apply_sparse,
     encode,
     sparse_chunks,
+    unit_of,
 )
 from asyncwt._delta.sender import DeltaSender
 from asyncwt._trainer.base import TrainerInitInfo
@@ -207,6 +211,43 @@ def test_sparse_body_positions_are_checked() -> None:
     assert positions.tolist() == [0, 1]
     with pytest.raises(ProtocolError, match=r"^a sparse body's positions should increase"):
         next(chunks)
+
+
+def _bomb(units: int, unit: int, **compressor: Any) -> tuple[DeltaHeader, bytes]:
+    """A ZSPARSE body claiming every unit changed: it decompresses to (4 + unit)
+    times the payload of zeros from a few dozen bytes."""
+    body = zstandard.ZstdCompressor(**compressor).compress(bytes(units * (4 + unit)))
+    return DeltaHeader(Encoding.ZSPARSE, len(body), units, bytes(16)), body
+
+
+def test_a_zsparse_body_is_bounded_by_the_payload_before_it_is_decompressed() -> None:
+    header, body = _bomb(50_000, 2)
+    assert len(body) < 1000 and header.count * 6 == 300_000
+    with pytest.raises(
+        ProtocolError,
+        match=r"^a ZSPARSE body of 50000 changes would decode to 300000 bytes; a sparse body "
+        r"should be shorter than the payload \(100000 bytes\)$",
+    ):
+        next(sparse_chunks(header, memoryview(body), 50_000, 2))
+    # Within the bound, the frame must declare the size its count implies.
+    declared = zstandard.ZstdCompressor().compress(bytes(60))
+    with pytest.raises(
+        ProtocolError,
+        match=r"^a ZSPARSE body of 2 changes should declare 12 bytes of content, its frame "
+        r"declares 60$",
+    ):
+        next(
+            sparse_chunks(
+                DeltaHeader(Encoding.ZSPARSE, 9, 2, bytes(16)), memoryview(declared), 50, 2
+            )
+        )
+    undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(12))
+    with pytest.raises(ProtocolError, match=r"its frame declares no size$"):
+        next(
+            sparse_chunks(
+                DeltaHeader(Encoding.ZSPARSE, 9, 2, bytes(16)), memoryview(undeclared), 50, 2
+            )
+        )
 
 
 @pytest.mark.parametrize("encoding_changed", [0.01, 0.2])
@@ -388,6 +429,53 @@ async def digest_failure_then_full(urls: list[str], info: TrainerInitInfo) -> No
             nudge(model, seed=5, fraction=0.01)
             stats = await engine.send_weights(weight_version="v2")
             assert is_delta(stats)
+            await assert_worker_has(client, model, "v2")
+
+
+@uvloop_only
+async def test_a_zsparse_bomb_fails_its_round_before_decompressing_and_the_next_is_full(
+    workers: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    """The trainer's coder is made to send bucket 0 as a ZSPARSE body of a few dozen
+    bytes that claims every unit changed (3x the payload once decompressed): each
+    worker refuses it for its size before decompressing, the round publishes
+    nothing, and the next rounds (full, then a delta) are bit-exact without a new
+    trainer_init."""
+    async with HttpClient([url for _, url in workers]) as client:
+        model = _models.mixed()
+        _models.randomize(model, seed=8)
+        engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
+        async with engine:
+            await engine.send_weights(weight_version="v0")
+            state = engine.transport.delta.state  # type: ignore[attr-defined]
+            coder = state.encode
+            bucket = engine.plan.buckets[0]
+            units = bucket.payload_bytes // unit_of(bucket)
+
+            def crafted(b: Bucket, segments: list[torch.Tensor]) -> Encoded:
+                coded = coder(b, segments)
+                if b.index != 0:
+                    return coded
+                header, body = _bomb(units, unit_of(b))
+                return Encoded(dataclasses.replace(header, digest=coded.header.digest), body)
+
+            state.encode = crafted
+            nudge(model, seed=9, fraction=0.01)
+            size = units * (4 + unit_of(bucket))
+            with pytest.raises(
+                AsyncwtError,
+                match=rf"a ZSPARSE body of {units} changes would decode to {size} bytes; a "
+                rf"sparse body should be shorter than the payload \({bucket.payload_bytes} bytes\)",
+            ):
+                await engine.send_weights(weight_version="bomb")
+            del state.encode
+            for status in await client.weights_status():
+                assert status["weight_version"] == "v0"
+            stats = await engine.send_weights(weight_version="v1")
+            assert not is_delta(stats), "a worker that failed a delta gets a full round"
+            await assert_worker_has(client, model, "v1")
+            nudge(model, seed=10, fraction=0.01)
+            assert is_delta(await engine.send_weights(weight_version="v2"))
             await assert_worker_has(client, model, "v2")
 
 

@@ -23,7 +23,7 @@ import anyio
 import pytest
 import torch
 from _faults import assert_worker_has, info_for, proc_threads, shm_leftovers, worker_env
-from _fuzzkit import trainer_links
+from _fuzzkit import HostRing, trainer_links
 
 from asyncwt import (
     HttpClient,
@@ -32,6 +32,7 @@ from asyncwt import (
     ShmTrainerInitInfo,
     ShmWorkerInitInfo,
     TransferError,
+    model_checksum,
     trainer_init,
 )
 from asyncwt._cli.launch import start_worker, stop_worker, worker_process
@@ -52,7 +53,7 @@ from asyncwt._transports.shm.cma import (
     read_from,
     split_ranges,
 )
-from asyncwt._transports.wire import Frame, FrameKind, digest_prefix
+from asyncwt._transports.wire import FRAME_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget
 from asyncwt._worker.engine import ReceivePool
 
@@ -511,3 +512,90 @@ def test_a_failed_stream_fails_the_bucket_with_a_transfer_error() -> None:
         assert _read_threads()
         receiver.close()
     assert not _read_threads()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.parametrize(
+    "elementwise", [True, False], ids=["elementwise", "whole-tensor"]
+)  # fmt: skip
+async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
+    elementwise: bool,
+) -> None:
+    """Three ring workers whose transform doubles what it is given in place: each
+    must hold exactly twice the trainer's weights, round after round (the transform
+    is given the worker's own copy of a bucket, never the ring slot the other
+    workers read)."""
+    args = ["--backend", "shm", "--transform", "_models:doubling_transform"]
+    if elementwise:
+        args.append("--transform-elementwise")
+    with (
+        worker_process("_models:mixed", *args, env=worker_env()) as a,
+        worker_process("_models:mixed", *args, env=worker_env()) as b,
+        worker_process("_models:mixed", *args, env=worker_env()) as c,
+    ):
+        async with HttpClient([a, b, c]) as client:
+            model = _models.mixed()
+            info = info_for("shm", workers=3, direct_reads=False)
+            engine = await trainer_init(info, client=client, source=ModuleSource(model))
+            async with engine:
+                for r in range(1, 4):
+                    _models.randomize(model, seed=r)
+                    await engine.send_weights(weight_version=f"v{r}")
+                    multiples = {
+                        model_checksum(_models.scaled(model, k)): f"{k}x" for k in (1, 2, 4, 8)
+                    }
+                    held = [
+                        multiples.get(s["checksum"], "?") for s in await client.weights_status()
+                    ]
+                    assert held == ["2x"] * 3, f"round {r}: the workers hold {held}"
+                    await assert_worker_has(client, _models.scaled(model, 2), f"v{r}")
+    assert not shm_leftovers()
+
+
+@pytest.mark.parametrize(
+    "transform", [None, _models.doubling_transform], ids=["plain", "transform"]
+)
+def test_a_ring_slot_reaches_user_code_only_as_a_copy_in_reused_worker_buffers(
+    transform: Any,
+) -> None:
+    """With a transform (or `load_weights`) each announced slot is copied into one of
+    the worker's own receive buffers (the same two, bucket after bucket) and released
+    at once; without one the applier reads the slot in place and releases it after."""
+    plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 16)
+    info = ShmWorkerInitInfo(
+        host="127.0.0.1", port=5, token="t" * 32, plan=plan.to_wire(), num_buffers=2,
+        segments=["asyncwt_0123456789abcdef_0", "asyncwt_0123456789abcdef_1"],
+    )  # fmt: skip
+    pool = ReceivePool(2, plan.bucket_bytes, torch.device("cpu"), 5.0, on_device=False)
+    ring = HostRing(info, plan, lambda: pool)
+    ring.buffers = slots = [torch.randint_like(slot, 0, 256) for slot in ring.map_ring()]
+    target = ModelTarget.resolve(_models.mixed(), plan, transform, in_place=False)
+    worker_end, trainer_end = socket.socketpair()
+    link = WorkerLink(worker_end, plan, 5.0)
+    seen = set()
+    with trainer_end, worker_end:
+        for round_id in (1, 2, 3):
+            for bucket in plan.buckets:
+                slot = bucket.index % 2
+                frame = Frame(
+                    FrameKind.BUCKET, round_id, bucket.index, digest_prefix(plan.digest),
+                    bucket.payload_bytes, slot,
+                )  # fmt: skip
+                received = ring.received(link, round_id, frame, target)
+                assert received.buffer is not None
+                shown = received.buffer[: bucket.buffer_bytes]
+                assert torch.equal(shown, slots[slot][: bucket.buffer_bytes])
+                if transform is None:
+                    assert received.buffer is slots[slot]
+                    received.release()  # the applier is done with the slot
+                else:
+                    assert all(received.buffer.data_ptr() != s.data_ptr() for s in slots)
+                    seen.add(received.buffer.data_ptr())
+                released = Frame.unpack(trainer_end.recv(FRAME_SIZE, socket.MSG_WAITALL))
+                assert (released.kind, released.index, released.slot) == (
+                    FrameKind.RELEASE, bucket.index, slot
+                )  # fmt: skip
+                if transform is not None:
+                    received.release()  # the applier is done with the worker's copy
+    # 3 rounds of every bucket went through the pool's two buffers, allocated once.
+    assert len(seen) == (0 if transform is None else 2) and len(plan.buckets) > 2

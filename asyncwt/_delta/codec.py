@@ -302,12 +302,19 @@ def sparse_chunks(
     when reached: chunks before it were yielded).
 
     Memory: the decompressed body (`ZSPARSE`; a `SPARSE` body is read where it lies,
-    when writable) and one chunk's positions, whatever the count.
+    when writable), which must be shorter than the payload and is checked to be
+    before anything is allocated, and one chunk's positions, whatever the count.
     """
     count = header.count
     size = count * (4 + unit)
     if size == 0:
         return
+    payload = units * unit
+    if size >= payload:
+        raise ProtocolError(
+            f"a {header.encoding.name} body of {count} changes would decode to {size} bytes; "
+            f"a sparse body should be shorter than the payload ({payload} bytes)"
+        )
     data = _sparse_bytes(header, body, size)
     gaps = data[: count * 4].view(torch.int32)
     values = _units(data[count * 4 :], unit)
@@ -326,14 +333,31 @@ def sparse_chunks(
 
 
 def _sparse_bytes(header: DeltaHeader, body: memoryview, size: int) -> torch.Tensor:
-    """The `size` bytes of gaps and values a body holds, as a uint8 tensor."""
+    """The `size` bytes of gaps and values a body holds, as a uint8 tensor.
+
+    A `ZSPARSE` frame must declare `size` as its content size, and is decompressed
+    with a window of at most `size` rounded up to a power of two: the memory a
+    frame makes this side allocate is bounded by `size`, checked before it is.
+    """
     if header.encoding == Encoding.ZSPARSE:
+        zstandard = _zstandard()
+        try:
+            declared = zstandard.get_frame_parameters(body).content_size
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"a ZSPARSE body does not decompress: {exc}") from exc
+        if declared != size:
+            shown = "no size" if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
+            raise ProtocolError(
+                f"a ZSPARSE body of {header.count} changes should declare {size} bytes of "
+                f"content, its frame declares {shown}"
+            )
         out = torch.empty(size, dtype=torch.uint8)
         view = byte_view(out)
         got = 0
-        zstandard = _zstandard()
+        window = 1 << max(10, (size - 1).bit_length())  # zstd's smallest window is 1 KiB
         try:
-            with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            decompressor = zstandard.ZstdDecompressor(max_window_size=window)
+            with decompressor.stream_reader(body) as reader:
                 while got < size:
                     n = reader.readinto(view[got:])
                     if not n:

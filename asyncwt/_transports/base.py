@@ -54,6 +54,13 @@ class LandingTarget(Protocol):
         model (at `landing_view`), rather than into a buffer for the applier."""
         ...
 
+    @property
+    def hands_out_buffers(self) -> bool:
+        """Whether applying gives user code (a transform, `load_weights`) views of the
+        receive buffer: then a receiver whose buffers other processes map (a shared
+        ring slot) copies each bucket into memory of this worker first."""
+        ...
+
     def landing_view(self, index: int) -> memoryview:
         """The writable bytes of plan parameter `index` in the model (where `direct`)."""
         ...

@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -46,7 +47,7 @@ from .._core.errors import TransferError
 from .._core.plan import TransferPlan
 from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
-from .._worker.engine import DeferredWorkerEngine
+from .._worker.engine import DeferredWorkerEngine, ReceivePool
 from .base import ReceiverTransport, SenderTransport
 from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .shm.ring import RingReceiver, RingSender
@@ -256,9 +257,13 @@ class CudaIpcReceiver(RingReceiver):
     """Maps each exported GPU buffer once, on the worker's device."""
 
     def __init__(
-        self, info: CudaIpcWorkerInitInfo, plan: TransferPlan, device: torch.device
+        self,
+        info: CudaIpcWorkerInitInfo,
+        plan: TransferPlan,
+        device: torch.device,
+        pool: Callable[[], ReceivePool],
     ) -> None:
-        super().__init__(info, plan)
+        super().__init__(info, plan, pool)
         self.handles = info.ipc_buffers
         self.gpu = info.ipc_gpu
         self.device = device
@@ -331,9 +336,14 @@ class CudaIpcTrainerEngine(PipelinedTrainerEngine[CudaIpcTrainerInitInfo]):
 
 
 class CudaIpcWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"cuda_ipc"` backend: applies straight from the mapped ring."""
+    """Worker engine of the `"cuda_ipc"` backend: applies straight from the mapped ring,
+    or, where a transform or `load_weights` would be given the bucket, from a copy in
+    receive buffers on this worker's device (allocated on the first such bucket)."""
 
     init_info_cls = CudaIpcWorkerInitInfo
 
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        return CudaIpcReceiver(info, plan, self.device)
+        def pool() -> ReceivePool:
+            return self.receive_pool(info, plan, on_device=True)
+
+        return CudaIpcReceiver(info, plan, self.device, pool)

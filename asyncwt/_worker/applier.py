@@ -94,6 +94,12 @@ class ModelTarget:
     `load_weights`, whose names the plan need not share)."""
 
     @property
+    def hands_out_buffers(self) -> bool:
+        """Whether user code (the transform, `load_weights`) may be given views of a
+        receive buffer (see `LandingTarget`); a staged target gives it the shadow."""
+        return self.transform is not None or self.load_weights is not None
+
+    @property
     def device(self) -> torch.device:
         """Where the received parameters go (the first one's device; CPU if none)."""
         first = next(iter(self.params.values()), None)

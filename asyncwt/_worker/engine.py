@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -121,6 +121,39 @@ class ReceivePool:
 
 def _nothing() -> None:
     return None
+
+
+class _Landing:
+    """A round's landing target (`ModelTarget`'s own fields) that notes the round's
+    first write: a receiver asking where a parameter lands, or a bucket handed to
+    the applier. Only then does an unstaged round make `weights_incomplete` true, so
+    a round that fails before writing anything leaves the weights as complete as
+    they were (and a delta base as it was)."""
+
+    def __init__(self, target: ModelTarget, *, live: bool, engine: DeferredWorkerEngine) -> None:
+        self._target = target
+        self._live = live
+        self._engine = engine
+        self.touched = False
+
+    @property
+    def direct(self) -> Sequence[bool]:
+        return self._target.direct
+
+    @property
+    def hands_out_buffers(self) -> bool:
+        return self._target.hands_out_buffers
+
+    def landing_view(self, index: int) -> memoryview:
+        self.touch()
+        return self._target.landing_view(index)
+
+    def touch(self) -> None:
+        """The round writes into the model (or its staged copy) from now on."""
+        if not self.touched:
+            self.touched = True
+            if self._live:
+                self._engine.weights_incomplete = True
 
 
 class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
@@ -303,16 +336,15 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                 f"round {round_id}: the previous round was still being received after "
                 f"recv_timeout={self._recv_timeout}s; init_weight_transfer_engine again to reset"
             )
-        was_incomplete = self.weights_incomplete
         delta = self._delta
         base = 0
         if delta is not None:
             base = receiver.delta_base = delta.begin_receive()
+        landing = _Landing(target, live=target.commit is None, engine=self)
         try:
-            if target.commit is None:
-                self.weights_incomplete = True  # bytes land in the live weights from now on
             applied = delta.applied(target) if delta is not None else target
-            for received in receiver.receive_round(round_id, target):
+            for received in receiver.receive_round(round_id, landing):
+                landing.touch()  # applying it writes into the weights
                 self._applier.submit(
                     applied,
                     round_id,
@@ -322,10 +354,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                     delta.prepare(applied, received) if delta is not None else None,
                 )
         except BaseException as exc:
-            if isinstance(exc, TransferAbortedError) and exc.buckets_received == 0:
-                self.weights_incomplete = was_incomplete  # aborted before any byte landed
-                if delta is not None and self._delta is delta:
-                    delta.published(base)  # nothing was written: the base still holds
+            if not landing.touched and delta is not None and self._delta is delta:
+                delta.published(base)  # nothing was written: the base still holds
             # A receive overtaken by a new init (its trainer died, a new one connected)
             # must not poison the new connection's rounds: record only the current one.
             if self._is_current(receiver, round_id):

@@ -34,10 +34,12 @@ logger = logging.getLogger("asyncwt")
 
 
 class _InBuffers:
-    """A landing target that takes nothing in place: share buckets land in buffers."""
+    """A landing target that takes nothing in place: share buckets land in buffers
+    (which user code is given where the model's target hands out buffers)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, hands_out_buffers: bool) -> None:
         self.direct: Sequence[bool] = (False,) * count
+        self.hands_out_buffers = hands_out_buffers
 
     def landing_view(self, index: int) -> memoryview:
         raise AssertionError("share buckets never land in place")
@@ -51,7 +53,6 @@ class OwnersReceiver(ReceiverTransport):
     def __init__(self, layout: OwnersLayout, receivers: list[ReceiverTransport]) -> None:
         self.layout = layout
         self.receivers = receivers
-        self._targets = [_InBuffers(len(p.params)) for p in layout.share_plans]
 
     def connect(self) -> None:
         try:
@@ -91,9 +92,13 @@ class OwnersReceiver(ReceiverTransport):
             queue.SimpleQueue()
         )
 
+        shares = [
+            _InBuffers(len(p.params), target.hands_out_buffers) for p in self.layout.share_plans
+        ]
+
         def pump(rank: int, receiver: ReceiverTransport) -> None:
             try:
-                for received in receiver.receive_round(round_id, self._targets[rank]):
+                for received in receiver.receive_round(round_id, shares[rank]):
                     inbox.put((rank, self._translate(rank, received)))
             except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
                 inbox.put((rank, exc))

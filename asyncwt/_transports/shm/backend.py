@@ -429,7 +429,7 @@ class ShmReceiver(RingReceiver):
     maps the trainer's shared-memory segments."""
 
     def __init__(self, info: ShmWorkerInitInfo, plan: TransferPlan, pool: ReceivePool) -> None:
-        super().__init__(info, plan)
+        super().__init__(info, plan, lambda: pool)
         self.segment_names = info.segments
         self.ring_socket = info.ring_socket
         self.segments: list[shared_memory.SharedMemory] = []

@@ -5,19 +5,26 @@ every worker has mapped; the link (the authenticated connection of `"tcp"`)
 carries only frame headers naming the slot, and each worker's RELEASE of a slot
 once its applier is done with it. A slot is rewritten only after every worker
 released it. Subclasses say how the buffers are made, exported and mapped.
+
+A slot is read by every worker and written by the trainer, so user code never
+gets it: where the applier would hand a transform or `load_weights` views of the
+bucket, the worker first copies the bucket into a receive buffer of its own
+(reused from round to round) and releases the slot at once. Otherwise the
+applier only copies out of the slot, into the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
+from ..._worker.engine import ReceivePool
 from ..base import (
     InitWorkers,
     LandingTarget,
@@ -126,11 +133,17 @@ class RingReceiver(ReceiverTransport):
     reads_directly = False
     """Whether buckets come as addresses in the trainer's memory (see `asyncwt._transports.shm.backend`)."""
 
-    def __init__(self, info: LinkedWorkerInfo, plan: TransferPlan) -> None:
+    def __init__(
+        self, info: LinkedWorkerInfo, plan: TransferPlan, pool: Callable[[], ReceivePool]
+    ) -> None:
         self.info = info
         self.plan = plan
         self.link: WorkerLink | None = None
         self.buffers: list[torch.Tensor] = []
+        self.make_copies = pool
+        """Makes the receive buffers a bucket is copied into before user code sees it
+        (called on the first such bucket)."""
+        self.copies: ReceivePool | None = None
 
     @abstractmethod
     def map_ring(self) -> list[torch.Tensor]:
@@ -177,7 +190,31 @@ class RingReceiver(ReceiverTransport):
                 f"there are {len(self.buffers)}"
             )
         bucket = self.plan.buckets[frame.index]
-        return ReceivedBucket(bucket, self.buffers[frame.slot], self._releaser(link, frame))
+        slot, release_slot = self.buffers[frame.slot], self._releaser(link, frame)
+        if not target.hands_out_buffers:
+            return ReceivedBucket(bucket, slot, release_slot)
+        return self._copied(bucket, slot, release_slot)
+
+    def _copied(
+        self, bucket: Bucket, slot: torch.Tensor, release_slot: Callable[[], None]
+    ) -> ReceivedBucket:
+        """`bucket`, copied out of the ring `slot` into a receive buffer of this
+        worker; the slot is released once the copy has read it."""
+        try:
+            if self.copies is None:
+                self.copies = self.make_copies()
+            buffer, release = self.copies.take()
+            try:
+                buffer[: bucket.buffer_bytes].copy_(slot[: bucket.buffer_bytes])
+                for device in {buffer.device, slot.device}:
+                    if device.type == "cuda":  # the slot may be rewritten once released
+                        torch.cuda.current_stream(device).synchronize()
+            except BaseException:
+                release()
+                raise
+        finally:
+            release_slot()
+        return ReceivedBucket(bucket, buffer, release)
 
     @staticmethod
     def _releaser(link: WorkerLink, frame: Frame) -> Any:
