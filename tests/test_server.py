@@ -376,7 +376,7 @@ def test_worker_exits_zero_on_signal(tmp_path: Path, signum: signal.Signals) -> 
 def test_worker_with_unknown_backend_fails_before_listening(tmp_path: Path) -> None:
     worker = spawn_worker(tmp_path / "worker.err", backend="no-such-backend")
     try:
-        assert worker.proc.wait(timeout=STARTUP_TIMEOUT_S) == 1
+        assert worker.proc.wait(timeout=STARTUP_TIMEOUT_S) == 2  # a usage error
         assert worker.proc.stdout is not None and worker.proc.stdout.read() == ""
         assert "unknown worker backend 'no-such-backend'" in worker.stderr()
     finally:
