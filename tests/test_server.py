@@ -173,7 +173,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
         await client.start_weight_update()
         await client.update_weights({"fill": 1.5})
         await client.finish_weight_update("v1")
-        [status] = await client.weights_status()
+        [status] = await client.weights_status(checksum=True)
         assert status == {
             "weight_version": "v1",
             "weights_incomplete": False,
@@ -183,7 +183,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
         }
 
         await client.shutdown()
-        [status] = await client.weights_status()
+        [status] = await client.weights_status(checksum=True)
         assert status["weight_version"] == "v1"  # the model keeps the weights it holds
         assert status["initialized"] is False
 
@@ -199,7 +199,7 @@ async def test_http_client_fans_out_to_two_workers_concurrently(
         # would fail with a TransferTimeoutError (500) after 5 s.
         await client.update_weights({"fill": -2.0, "rendezvous": str(tmp_path), "parties": 2})
         await client.finish_weight_update("v2")
-        statuses = await client.weights_status()
+        statuses = await client.weights_status(checksum=True)
     assert [s["weight_version"] for s in statuses] == ["v2", "v2"]
     assert [s["checksum"] for s in statuses] == [filled_checksum(-2.0)] * 2
 
