@@ -180,16 +180,17 @@ class ModuleSource(WeightSource):
         named: list[tuple[str, torch.Tensor]] = []
         seen: dict[str, str] = {}
         for original, param in self._module.named_parameters():
-            name: str | None = _uncompiled(original)
+            name = _uncompiled(original)
             if self.rename is not None:
-                name = self.rename(name)
-                if name is None:
+                renamed = self.rename(name)
+                if renamed is None:
                     continue
-                if not isinstance(name, str) or not name:
+                if not isinstance(renamed, str) or not renamed:
                     raise ValueError(
-                        f"rename should return a non-empty str or None, got {name!r} for "
+                        f"rename should return a non-empty str or None, got {renamed!r} for "
                         f"{original!r}"
                     )
+                name = renamed
             if name in seen:
                 raise ValueError(
                     f"rename maps both {seen[name]!r} and {original!r} to {name!r}; "
