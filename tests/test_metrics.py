@@ -51,7 +51,13 @@ async def test_a_worker_logs_and_counts_its_rounds_and_a_failing_transform(
                 info_for("tcp", recv_timeout=10.0), client=client, source=ModuleSource(model)
             )
             async with engine:
-                await engine.send_weights(weight_version="v1")
+                told: list[tuple[int, int]] = []
+                stats = await engine.send_weights(
+                    weight_version="v1", progress=lambda sent, total: told.append((sent, total))
+                )
+                assert len(told) == stats.buckets > 1
+                assert told[-1] == (nbytes, nbytes)
+                assert [sent for sent, _ in told] == sorted({sent for sent, _ in told})
                 # Cheap by default: no checksum unless asked for.
                 (status,) = await client.weights_status()
                 assert (status["weight_version"], status["checksum"]) == ("v1", None)
