@@ -6,7 +6,7 @@ rollout actors' handles; the bytes go over asyncwt's tcp transport (the rollout 
 connect to the trainer's node address), never through Ray's object store. Each round
 is checked bit-exact against the actors' `weights_status(checksum=True)`.
 
-    pip install 'asyncwt[ray]' && python ray_rl_loop.py
+    pip install -e '.[ray]' && python ray_rl_loop.py      # from the repository root, then cd examples
 
 On several machines, start Ray on each (`ray start --head` on one, `ray start
 --address=HEAD:6379` on the others) and call `ray.init(address="auto")` instead: the

@@ -147,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--relay-host",
         default=None,
         help=(
-            "address a tcp chain worker listens on for the worker after it in the chain, "
-            "which connects to it as its predecessor (default: --host, "
-            "or the address it reaches the trainer from when --host is a wildcard)"
+            "address a tcp chain worker listens on for its predecessor (the worker before it "
+            "in the chain connects there; default: --host, or the address it reaches the "
+            "trainer from when --host is a wildcard)"
         ),
     )
     defaults = ServerLimits()
