@@ -94,7 +94,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         dest="preset",
         const="quick",
         help=(
-            "64 MiB model, 4 MiB buckets: a CI-sized run (about two minutes on 2 cores); "
+            "64 MiB model, 4 MiB buckets: a CI-sized run (about two minutes on 2 quiet cores); "
             "its speed bars are informational (INFO), set for the 1 GiB model"
         ),
     )
