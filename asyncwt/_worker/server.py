@@ -235,7 +235,8 @@ def _routes(
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
-        assert worker.metrics is not None, "build_app gives the driver its metrics"
+        if worker.metrics is None:  # a driver built without metrics
+            raise web.HTTPNotFound()
         body = worker.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
