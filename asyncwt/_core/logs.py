@@ -42,7 +42,8 @@ def add_log_level_option(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_logging(level: str | None) -> None:
-    """Log at `level` (`--log-level`), else at `$ASYNCWT_LOG_LEVEL`, else at WARNING.
+    """Log asyncwt's records at `level` (`--log-level`), else at `$ASYNCWT_LOG_LEVEL`,
+    else at WARNING; other libraries' at WARNING.
 
     Raises:
         ValueError: `$ASYNCWT_LOG_LEVEL` names no level (the message says which are).
@@ -53,5 +54,8 @@ def configure_logging(level: str | None) -> None:
             level = _level(text)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"${LOG_LEVEL_ENV} {exc}") from None
-    logging.basicConfig(level=getattr(logging, level), format=_FORMAT)
-    logging.getLogger("asyncwt").setLevel(getattr(logging, level))
+    # asyncwt's loggers at `level`; the others (aiohttp's access log, torch's) stay at
+    # WARNING unless asked for less, so that INFO is the story of the rounds.
+    chosen = getattr(logging, level)
+    logging.basicConfig(level=max(chosen, logging.WARNING), format=_FORMAT)
+    logging.getLogger("asyncwt").setLevel(chosen)

@@ -158,7 +158,7 @@ class RoundDriver:
                 if self.metrics is not None:
                     self.metrics.connected()
                 logger.info(
-                    "trainer %s connected: %s engine initialised for %s bytes a round",
+                    "trainer %s connected: %s initialised for %s bytes a round",
                     trainer or "(unnamed)",
                     type(engine).__name__,
                     _round_bytes(engine) or "?",
