@@ -78,6 +78,9 @@ from ._worker.base import WeightTransferUpdateInfo as WeightTransferUpdateInfo
 from ._worker.base import WeightTransferUpdateRequest as WeightTransferUpdateRequest
 from ._worker.ray_actor import WorkerActor as WorkerActor
 from ._worker.ray_actor import worker_actor as worker_actor
+from ._worker.server import ServerLimits as ServerLimits
+from ._worker.server import build_app as build_app
+from ._worker.server import serve as serve
 
 __version__ = "0.1.0"
 
@@ -103,6 +106,7 @@ __all__ = [
     "RoundConflictError",
     "RoundStats",
     "RoundUpdateInfo",
+    "ServerLimits",
     "Shard",
     "ShmTrainerEngine",
     "ShmTrainerInitInfo",
@@ -136,6 +140,7 @@ __all__ = [
     "WeightTransferUpdatePayload",
     "WeightTransferUpdateRequest",
     "WorkerActor",
+    "build_app",
     "create_worker_engine",
     "layerwise_groups",
     "materialize_full_tensor",
@@ -143,6 +148,7 @@ __all__ = [
     "register_trainer_engine",
     "register_worker_engine",
     "registered_backends",
+    "serve",
     "trainer_init",
     "worker_actor",
 ]

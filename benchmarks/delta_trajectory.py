@@ -198,7 +198,7 @@ async def run_lr(
             expected = model_checksum(mirror)
             exact = True
             for client in clients.values():
-                (status,) = await client.weights_status()
+                (status,) = await client.weights_status(checksum=True)
                 exact &= status["checksum"] == expected and status["weight_version"] == version
             full_s = stats["full"].wall_s
             encode_s = engines["always"].transport.delta.round_encode_s  # type: ignore[union-attr]

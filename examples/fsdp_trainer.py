@@ -16,7 +16,7 @@ What it shows:
   global shapes, and each tensor is gathered only when it is sent;
 - verification: after each round, every rank computes the checksum of the full
   model (a collective) and rank 0 compares it with the worker's
-  (`HttpClient.weights_status()`, the worker's `GET /weights_status`);
+  (`HttpClient.weights_status(checksum=True)`, the worker's `GET /weights_status`);
 - `--senders owners`: no gather at all; every rank sends its own shards
   (`iter_local()`) over its own connection to the worker, and rank 0 still makes
   the control-plane calls (`RoundStats.bytes` is each rank's share,
@@ -99,7 +99,7 @@ async def train(rank: int, model: nn.Module, url: str, steps: int, senders: str)
                     if (stats.bytes != 0) != (senders == "owners"):
                         raise SystemExit(f"rank {rank} sent {stats.bytes} bytes ({senders=})")
                     continue
-                (status,) = await client.weights_status()
+                (status,) = await client.weights_status(checksum=True)
                 if (status["weight_version"], status["checksum"]) != (version, checksum):
                     raise SystemExit(f"step {step}: the worker's weights differ: {status}")
                 pushed = (

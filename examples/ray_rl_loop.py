@@ -4,9 +4,9 @@ Ray places the actors; asyncwt moves the weights. After every optimizer step the
 trainer actor runs `await engine.send_weights()` through a `RayClient` over the
 rollout actors' handles; the bytes go over asyncwt's tcp transport (the rollout actors
 connect to the trainer's node address), never through Ray's object store. Each round
-is checked bit-exact against the actors' `weights_status()`.
+is checked bit-exact against the actors' `weights_status(checksum=True)`.
 
-    pip install 'asyncwt[ray]' && python ray_rl_loop.py
+    pip install -e '.[ray]' && python ray_rl_loop.py      # from the repository root, then cd examples
 
 On several machines, start Ray on each (`ray start --head` on one, `ray start
 --address=HEAD:6379` on the others) and call `ray.init(address="auto")` instead: the
@@ -85,7 +85,7 @@ class Trainer:
 
                 stats = await engine.send_weights(weight_version=f"step-{step}")
                 expected = model_checksum(self.model)
-                statuses = await self.client.weights_status()
+                statuses = await self.client.weights_status(checksum=True)
                 exact = all(
                     s["weight_version"] == f"step-{step}" and s["checksum"] == expected
                     for s in statuses

@@ -21,7 +21,7 @@ What it shows:
   generated (`None` before the first round: the factory's initial weights), plus a
   digest of the exact weights used, so the trainer can check the tag.
 
-Routes: everything `asyncwt worker` serves (see `asyncwt._worker.server`), and
+Routes: everything `asyncwt worker` serves (see `asyncwt.build_app`), and
 
     POST /rollouts {"contexts": [[float]*CONTEXT_DIM]*N, "seed": int}
       -> {"actions": [int]*N, "log_probs": [float]*N,
@@ -40,8 +40,7 @@ import torch
 from _bandit import make_policy, sample_actions, weights_digest  # examples/, beside this file
 from aiohttp import web
 
-from asyncwt import WeightTransferConfig
-from asyncwt._worker.server import build_app  # the worker server's app (a private helper)
+from asyncwt import WeightTransferConfig, build_app
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATE_TIMEOUT_S = 60.0

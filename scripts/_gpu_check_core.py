@@ -156,12 +156,12 @@ def workers(*specs: tuple[Any, ...]) -> Iterator[list[str]]:
 
 
 def worker_statuses(urls: Sequence[str]) -> list[dict[str, Any]]:
-    """Each worker's `GET /weights_status` (blocking: for code outside the event loop)."""
+    """Each worker's `GET /weights_status?checksum=1` (blocking: for code outside the event loop)."""
     import urllib.request
 
     statuses = []
     for url in urls:
-        with urllib.request.urlopen(f"{url}/weights_status", timeout=120) as response:
+        with urllib.request.urlopen(f"{url}/weights_status?checksum=1", timeout=120) as response:
             statuses.append(json.loads(response.read()))
     return statuses
 
@@ -186,7 +186,7 @@ async def verify(client: Any, model: Any, version: str, where: str) -> None:
     from asyncwt import model_checksum
 
     expected = await anyio.to_thread.run_sync(model_checksum, model)
-    expect_bit_exact(await client.weights_status(), version, expected, where)
+    expect_bit_exact(await client.weights_status(checksum=True), version, expected, where)
 
 
 async def send_and_verify(engine: Any, client: Any, model: Any, version: str, where: str) -> Any:

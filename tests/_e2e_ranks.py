@@ -62,7 +62,7 @@ def fsdp_push(rank: int, world_size: int, port: int, out_dir: str) -> None:
                             param.mul_(-1.5).add_(r)
                     stats = await engine.send_weights(weight_version=f"fsdp-{r}")
                     checksum = model_checksum(model)  # gathers: a collective on both ranks
-                    status = (await client.weights_status())[0] if rank == 0 else None
+                    status = (await client.weights_status(checksum=True))[0] if rank == 0 else None
                     record["rounds"].append(
                         {"bytes": stats.bytes, "checksum": checksum, "status": status}
                     )

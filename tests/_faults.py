@@ -79,7 +79,7 @@ def info_for(backend: str, workers: int = 1, **kwargs: Any) -> TrainerInitInfo:
 async def assert_worker_has(client: HttpClient, model: torch.nn.Module, version: str) -> None:
     """Every worker published `version` and holds exactly `model`'s weights."""
     expected = model_checksum(model)
-    for status in await client.weights_status():
+    for status in await client.weights_status(checksum=True):
         assert (status["weight_version"], status["checksum"]) == (version, expected)
         assert status["weights_incomplete"] is False
 

@@ -365,12 +365,12 @@ async def _fails_then_the_next_round_arrives(
     """A round fails with `error` and leaves the worker exactly as it was (version,
     checksum, `weights_incomplete` false); the next round arrives bit-exact.
     `after_failure` runs right after the failed round."""
-    (before,) = await client.weights_status()
+    (before,) = await client.weights_status(checksum=True)
     _models.randomize(model, seed=1)
     with pytest.raises(error, match=match):
         await engine.send_weights(weight_version="failed")
     after_failure()
-    (after,) = await client.weights_status()
+    (after,) = await client.weights_status(checksum=True)
     assert after == before  # nothing reached the worker
     _models.randomize(model, seed=2)
     await engine.send_weights(weight_version="v2")
@@ -499,7 +499,7 @@ async def test_failing_transform_surfaces_at_finish_and_version_stays(
                     r"round completes$",
                 ):
                     await engine.send_weights(weight_version="bad")
-                (status,) = await client.weights_status()
+                (status,) = await client.weights_status(checksum=True)
                 assert (status["weight_version"], status["weights_incomplete"]) == ("good", True)
                 flag.unlink()
                 _models.randomize(model, seed=3)
@@ -585,7 +585,7 @@ async def test_source_that_breaks_the_plan_fails_the_round_then_recovers(
             _models.randomize(model, seed=2)
             with pytest.raises(SourceMismatchError, match=message):
                 await engine.send_weights(weight_version="broken")
-            (status,) = await client.weights_status()
+            (status,) = await client.weights_status(checksum=True)
             assert status["weight_version"] == "before"
             source.fault = None
             await engine.send_weights(weight_version="after")

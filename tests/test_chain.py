@@ -147,7 +147,7 @@ def chain_of(engine: TcpTrainerEngine) -> list[str]:
 
 async def status(url: str) -> dict[str, object]:
     async with HttpClient(url) as client:
-        (answer,) = await client.weights_status()
+        (answer,) = await client.weights_status(checksum=True)
         return answer
 
 

@@ -57,7 +57,7 @@ async def test_cuda_ipc_rounds_are_bit_exact(workers: int) -> None:
                     stats = await engine.send_weights(weight_version=f"ipc-{r}")
                     assert stats.workers == workers
                     expected = model_checksum(model)
-                    for status in await client.weights_status():
+                    for status in await client.weights_status(checksum=True):
                         assert (status["weight_version"], status["checksum"]) == (
                             f"ipc-{r}",
                             expected,
@@ -89,7 +89,7 @@ async def test_cuda_ipc_workers_with_an_in_place_transform_each_apply_it_once() 
                     _models.randomize(model, seed=r)
                     await engine.send_weights(weight_version=f"ipc-{r}")
                     expected = model_checksum(_models.scaled(model, 2))
-                    for status in await client.weights_status():
+                    for status in await client.weights_status(checksum=True):
                         assert (status["weight_version"], status["checksum"]) == (
                             f"ipc-{r}",
                             expected,

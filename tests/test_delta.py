@@ -420,7 +420,7 @@ async def digest_failure_then_full(urls: list[str], info: TrainerInitInfo) -> No
             copy[: bucket.payload_bytes] = new
             with pytest.raises(AsyncwtError, match=r"does not match the trainer's digest"):
                 await engine.send_weights(weight_version="bad")
-            for status in await client.weights_status():
+            for status in await client.weights_status(checksum=True):
                 assert status["weight_version"] == "v0"
             nudge(model, seed=4, fraction=0.01)
             stats = await engine.send_weights(weight_version="v1")
@@ -529,7 +529,7 @@ async def test_a_delta_round_cut_at_seeded_offsets_publishes_nothing_and_recover
                 nudge(model, seed=200 + i, fraction=0.01)
                 with anyio.fail_after(15), pytest.raises(AsyncwtError):
                     await engine.send_weights(weight_version=f"cut-{i}")
-                (status,) = await client.weights_status()
+                (status,) = await client.weights_status(checksum=True)
                 assert status["weight_version"] == f"good-{i}"
             client.close_proxy()
             # A new init (the connection broke): its first round is full and bit-exact.
@@ -576,7 +576,7 @@ async def cancelled_rounds(
                 nudge(model, seed=400 + i, fraction=0.01)
                 with anyio.fail_after(20), anyio.move_on_after(rng.uniform(0.0, delay * 10)):
                     await engine.send_weights(weight_version=f"cancelled-{i}")
-                for status in await client.weights_status():
+                for status in await client.weights_status(checksum=True):
                     if status["weight_version"] != f"cancelled-{i}":
                         assert status["weight_version"] == f"v{i - 1}"
                         assert status["weights_incomplete"] or status["checksum"] == good

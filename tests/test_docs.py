@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import asyncwt
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
+README = ROOT / "README.md"
 
 
 def _text() -> str:
@@ -152,7 +154,7 @@ def test_architecture_maps_every_module() -> None:
 
 def _python_blocks() -> list[tuple[str, str]]:
     blocks = []
-    for page in PAGES:
+    for page in [*PAGES, README]:
         for code in re.findall(
             r"^```python\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL
         ):
@@ -164,10 +166,80 @@ def _python_blocks() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("page", "code"), _python_blocks())
 def test_python_snippets_compile_and_use_real_names(page: str, code: str) -> None:
     tree = ast.parse(code, filename=page)  # a SyntaxError fails the test
+    if any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in tree.body):
+        # A snippet with its imports reads as a program: it must run as one (no
+        # top-level await); a fragment without imports is a function's body.
+        compile(code, page, "exec")
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "asyncwt":
             for alias in node.names:
                 assert alias.name in asyncwt.__all__, f"{page}: asyncwt has no public {alias.name}"
+
+
+def _help_options(command: str) -> set[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncwt", command, "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r"--[a-z][a-z-]+", result.stdout)) - {"--help"}
+
+
+def test_readme_starts_with_setup_demo_and_the_test_command() -> None:
+    """CI (.ci/run) and the project guide run these three commands verbatim."""
+    commands = re.findall(r"^    (\S.*)$", README.read_text(), re.MULTILINE)[:3]
+    assert commands == [
+        (
+            "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+            "pip install -e '.[test,docs]'"
+        ),
+        ". .venv/bin/activate && asyncwt demo",
+        "python -m pytest -q",
+    ]
+
+
+@pytest.mark.parametrize("command", ["worker", "demo", "bench"])
+def test_commands_in_the_readme_and_docs_use_real_options(command: str) -> None:
+    options = _help_options(command)
+    lines = re.findall(rf"asyncwt {command}\b[^\n`]*", _text() + README.read_text())
+    used = {option for line in lines for option in re.findall(r"--[a-z][a-z-]+", line)}
+    assert used <= options, f"asyncwt {command} has no {sorted(used - options)}"
+
+
+def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
+    """The README's worker command (on a free port) and its trainer, from examples/."""
+    from asyncwt._cli.launch import start_worker, stop_worker
+
+    text = README.read_text()
+    worker = re.search(r"^    cd examples && (asyncwt worker .*) --port 8100$", text, re.MULTILINE)
+    assert worker, "the README should start its worker from examples/ on port 8100"
+    args = worker.group(1).split()[2:]
+    (code,) = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    # examples/ on the path: the worker's own `cd examples` is tested in test_cli.py.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")])}
+    proc, url = start_worker(args[1], *args[2:], env=env)
+    try:
+        script = tmp_path / "readme_example.py"
+        script.write_text(code.replace("http://127.0.0.1:8100", url))
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=ROOT / "examples",
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+    finally:
+        stop_worker(proc)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        f"round {step} (version step-{step})" for step in (1, 2, 3)
+    ], done.stdout
 
 
 def test_worker_options_in_the_docs_exist() -> None:

@@ -51,7 +51,6 @@ def test_every_example_starts_with_a_docstring_and_is_tested() -> None:
 def test_examples_use_only_public_names() -> None:
     allowed_private = {
         "asyncwt._cli.launch",  # worker_process: starts `asyncwt worker`
-        "asyncwt._worker.server",  # build_app: the worker server, for extra routes
     }
     for path in EXAMPLES.glob("*.py"):
         for module in re.findall(r"^\s*from (asyncwt\.\w+) import", path.read_text(), re.MULTILINE):

@@ -79,7 +79,7 @@ def worker(backend: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 async def status_of(client: HttpClient) -> dict[str, Any]:
-    (status,) = await client.weights_status()
+    (status,) = await client.weights_status(checksum=True)
     return status
 
 

@@ -409,7 +409,7 @@ class Worker:
             conn.close()
 
     def status(self) -> dict[str, Any]:
-        reply = self.request("GET", "/weights_status")
+        reply = self.request("GET", "/weights_status?checksum=1")
         assert reply.status == 200, reply
         status: dict[str, Any] = json.loads(reply.text)
         return status
@@ -524,6 +524,10 @@ def check_reply(method: str, path: str, reply: Reply, *, expected: str | None = 
     assert "Traceback" not in reply.text, reply
     if method == "HEAD":
         assert reply.status < 500, reply
+        return
+    if (method, path, reply.status) == ("GET", "/metrics", 200):  # Prometheus' text format
+        assert reply.content_type == "text/plain", reply
+        assert "asyncwt_worker_rounds_total" in reply.text, reply
         return
     assert reply.content_type == "application/json", reply
     body = json.loads(reply.text)

@@ -127,3 +127,30 @@ async def test_a_cancelled_round_settles_every_bucket_in_flight() -> None:
     assert not sink.unsettled, "a bucket was left in flight"
     for index in sink.settled_order:
         assert sink.received[index] == _expected(plan, model, plan.buckets[index]), index
+
+
+async def test_progress_is_told_the_bytes_sent_after_each_bucket() -> None:
+    model = _model()
+    plan = _plan(model)
+    sink = LateReadingSink(plan, in_flight_buckets=2)
+    told: list[tuple[int, int]] = []
+    cpu = torch.device("cpu")
+    await run_pipeline(
+        plan,
+        ModuleSource(model),
+        sink,
+        pool=StagingPool(2, plan.bucket_bytes, cpu),
+        iterate_lane=DeviceLane(cpu),
+        pack_lane=DeviceLane(cpu),
+        config=PipelineConfig(num_buffers=2),
+        fence=DeviceLane(cpu).record_caller(),
+        progress=lambda sent, total: told.append((sent, total)),
+    )
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    sent = 0
+    expected = []
+    for bucket in plan.buckets:
+        sent += bucket.payload_bytes
+        expected.append((sent, total))
+    assert told == expected
+    assert told[-1] == (total, total)

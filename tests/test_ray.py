@@ -85,7 +85,7 @@ def perturb(model: torch.nn.Module, step: int) -> None:
 async def statuses(client: RayClient) -> list[tuple[Any, ...]]:
     return [
         (s["weight_version"], s["checksum"], s["weights_incomplete"])
-        for s in await client.weights_status()
+        for s in await client.weights_status(checksum=True)
     ]
 
 
@@ -110,7 +110,7 @@ async def test_ray_client_pushes_bit_exact_rounds_to_two_worker_actors(
             expected = (f"step-{step}", model_checksum(model), False)
             assert await statuses(client) == [expected, expected]
     await client.shutdown()
-    assert [s["initialized"] for s in await client.weights_status()] == [False, False]
+    assert [s["initialized"] for s in await client.weights_status(checksum=True)] == [False, False]
 
 
 @needs_ray
@@ -259,7 +259,7 @@ async def test_ray_client_sends_vllm_actors_the_payloads_of_vllms_ray_client(
         ("shutdown", None),
     ]
     with pytest.raises(TypeError, match=r"^VLLMLike actor \w+ has no weights_status method"):
-        await client.weights_status()
+        await client.weights_status(checksum=True)
     ray.kill(actor)
 
 

@@ -151,7 +151,7 @@ def failing_worker(flag: Path, *extra: str) -> Any:
 
 
 async def status_of(client: HttpClient) -> tuple[Any, bool, str]:
-    (status,) = await client.weights_status()
+    (status,) = await client.weights_status(checksum=True)
     return status["weight_version"], status["weights_incomplete"], status["checksum"]
 
 
@@ -463,7 +463,7 @@ class Interleaving:
             await self.init()
 
     async def check(self) -> None:
-        async with self.http.get("/weights_status") as response:
+        async with self.http.get("/weights_status?checksum=1") as response:
             status = await response.json()
         version = status["weight_version"]
         if version is None or status["weights_incomplete"]:

@@ -311,7 +311,10 @@ async def _answers_without_the_key(url: str, headers: dict[str, str]) -> list[tu
 
 @uvloop_only
 @pytest.mark.parametrize("how", ["flag-on-loopback", "env-on-all-interfaces"])
-async def test_a_worker_with_an_api_key_refuses_every_route_without_it(how: str) -> None:
+async def test_a_worker_with_an_api_key_refuses_every_route_without_it(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the key in $ASYNCWT_API_KEY, HttpClient finds it there, as the worker does."""
     from _faults import assert_worker_has, worker_env
 
     from asyncwt import HttpClient
@@ -330,7 +333,12 @@ async def test_a_worker_with_an_api_key_refuses_every_route_without_it(how: str)
             assert answers[0][2].startswith(
                 "this worker requires an API key: send 'Authorization: Bearer"
             )
-        async with HttpClient(url, api_key=key) as client:
+        if how == "env-on-all-interfaces":
+            monkeypatch.setenv("ASYNCWT_API_KEY", key)
+            client = HttpClient(url)
+        else:
+            client = HttpClient(url, api_key=key)
+        async with client:
             model = _models.mixed()
             engine = await trainer_init(
                 TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(model)
@@ -360,7 +368,7 @@ def test_the_worker_refuses_to_serve_beyond_loopback_without_an_api_key() -> Non
         "0.0.0.0",
     ]
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")  # a usage error
     assert done.stderr.startswith(
         "asyncwt worker: error: refusing to serve on '0.0.0.0' without an API key: beyond "
         "loopback anyone who reaches the port could re-init the worker and push weights. "

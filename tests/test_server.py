@@ -173,7 +173,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
         await client.start_weight_update()
         await client.update_weights({"fill": 1.5})
         await client.finish_weight_update("v1")
-        [status] = await client.weights_status()
+        [status] = await client.weights_status(checksum=True)
         assert status == {
             "weight_version": "v1",
             "weights_incomplete": False,
@@ -184,7 +184,7 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
         }
 
         await client.shutdown()
-        [status] = await client.weights_status()
+        [status] = await client.weights_status(checksum=True)
         assert status["weight_version"] == "v1"  # the model keeps the weights it holds
         assert status["initialized"] is False
 
@@ -200,7 +200,7 @@ async def test_http_client_fans_out_to_two_workers_concurrently(
         # would fail with a TransferTimeoutError (500) after 5 s.
         await client.update_weights({"fill": -2.0, "rendezvous": str(tmp_path), "parties": 2})
         await client.finish_weight_update("v2")
-        statuses = await client.weights_status()
+        statuses = await client.weights_status(checksum=True)
     assert [s["weight_version"] for s in statuses] == ["v2", "v2"]
     assert [s["checksum"] for s in statuses] == [filled_checksum(-2.0)] * 2
 
@@ -377,7 +377,7 @@ def test_worker_exits_zero_on_signal(tmp_path: Path, signum: signal.Signals) -> 
 def test_worker_with_unknown_backend_fails_before_listening(tmp_path: Path) -> None:
     worker = spawn_worker(tmp_path / "worker.err", backend="no-such-backend")
     try:
-        assert worker.proc.wait(timeout=STARTUP_TIMEOUT_S) == 1
+        assert worker.proc.wait(timeout=STARTUP_TIMEOUT_S) == 2  # a usage error
         assert worker.proc.stdout is not None and worker.proc.stdout.read() == ""
         assert "unknown worker backend 'no-such-backend'" in worker.stderr()
     finally:

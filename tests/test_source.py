@@ -297,6 +297,64 @@ def test_module_source_layers_last_false_keeps_registration_order() -> None:
     assert [name for name, _ in source.iter_full()] == registered
 
 
+# Importing torch's compiler (on the first torch.compile) warns about its own internals.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("compiled", ["whole", "per-layer"])
+def test_module_source_reads_a_compiled_module_under_its_own_names(compiled: str) -> None:
+    """`torch.compile` wraps the module (`_orig_mod.`); the workers' model has no
+    such prefix, so the source reads through it, in the same order."""
+    model = _Decoder()
+    expected = [m.name for m in ModuleSource(model).metadata]
+    if compiled == "whole":
+        wrapped: torch.nn.Module = torch.compile(model)
+    else:
+        for index, layer in enumerate(model.layers):
+            model.layers[index] = torch.compile(layer)
+        wrapped = model
+    assert any("_orig_mod" in name for name, _ in wrapped.named_parameters())
+
+    source = ModuleSource(wrapped)
+
+    assert [m.name for m in source.metadata] == expected
+    assert [name for name, _ in source.iter_full()] == expected
+    assert source.device() == torch.device("cpu")
+
+
+def test_module_source_rename_maps_and_filters_names() -> None:
+    model = _Decoder()
+
+    def rename(name: str) -> str | None:
+        return None if name.startswith("lm_head.") else f"model.{name}"
+
+    source = ModuleSource(model, rename=rename)
+
+    expected = ["model.embed.weight", "model.norm.weight", "model.norm.bias"]
+    expected += [f"model.{name}" for name in _LAYER_NAMES]
+    assert [m.name for m in source.metadata] == expected
+    yielded = dict(source.iter_local())
+    assert list(yielded) == expected
+    assert yielded["model.embed.weight"].data_ptr() == model.embed.weight.data_ptr()
+
+
+def test_module_source_rename_that_merges_names_is_refused() -> None:
+    source = ModuleSource(_Decoder(), rename=lambda name: name.split(".")[-1])
+    with pytest.raises(
+        ValueError,
+        match=r"^rename maps both 'embed\.weight' and 'layers\.0\.attn\.weight' to 'weight'; ",
+    ):
+        _ = source.metadata
+
+
+def test_module_source_rename_must_return_a_name_or_none() -> None:
+    with pytest.raises(ValueError, match=r"^rename should be a callable or None, got str$"):
+        ModuleSource(_Decoder(), rename="model.")  # type: ignore[arg-type]
+    source = ModuleSource(_Decoder(), rename=lambda name: "")
+    with pytest.raises(
+        ValueError, match=r"^rename should return a non-empty str or None, got '' for 'embed"
+    ):
+        list(source.iter_full())
+
+
 def test_materialize_full_tensor_returns_plain_tensor_unchanged() -> None:
     tensor = torch.arange(6.0).reshape(2, 3)
     param = torch.nn.Parameter(torch.ones(3))

@@ -42,7 +42,7 @@ class _StatusReader:
 
         async def read() -> dict[str, object]:
             async with HttpClient(self.url) as client:
-                return (await client.weights_status())[0]
+                return (await client.weights_status(checksum=True))[0]
 
         return anyio.run(read)
 

@@ -398,7 +398,7 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
                     expected = expected_tokens(trainer_model, prompts)
                     assert await served_tokens(session, vllm_server, prompts) == expected
                     assert await served_version(session, vllm_server) == version
-                    (answer,) = await worker.weights_status()
+                    (answer,) = await worker.weights_status(checksum=True)
                     assert answer["weight_version"] == version
                     assert answer["checksum"] == model_checksum(trainer_model)
         finally:

@@ -230,7 +230,7 @@ async def measure_engine(
                 del engine
             trainer_window = trainer_probe.stop()
             worker_window = worker_probe.stop()
-            status = (await client.weights_status())[0]
+            status = (await client.weights_status(checksum=True))[0]
         finally:
             await client.shutdown()
     timed = stats[rounds.warmup :]

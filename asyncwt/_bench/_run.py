@@ -70,6 +70,9 @@ class Preset:
     headline_rounds: int
     sweep_bucket_bytes: tuple[int, ...]
     sweep_num_buffers: tuple[int, ...]
+    pair_attempts: int = PAIR_ATTEMPTS
+    """Calibrations of each overlap pair at most: below 1 GiB the speed bars are
+    informational, so one attempt is kept and the run stays short."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -80,10 +83,12 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         model_mib=64, bucket_bytes=4 * MiB, headline_rounds=PAIR_ROUNDS,
         sweep_bucket_bytes=(1 * MiB, 4 * MiB, 16 * MiB), sweep_num_buffers=(1, 2, 4),
+        pair_attempts=1,
     ),
     "tiny": Preset(
         model_mib=8, bucket_bytes=512 * KiB, headline_rounds=PAIR_ROUNDS,
         sweep_bucket_bytes=(256 * KiB, 1 * MiB), sweep_num_buffers=(1, 2),
+        pair_attempts=1,
     ),
 }  # fmt: skip
 """`default` is the 1 GiB model with the library's default bucket (64 MiB);
@@ -126,6 +131,8 @@ class BenchSettings:
     """Fixed transform time per full bucket instead of `transform_x` (milliseconds)."""
     sweep_bucket_bytes: tuple[int, ...] = (16 * MiB, 64 * MiB, 256 * MiB)
     sweep_num_buffers: tuple[int, ...] = (1, 2, 4)
+    pair_attempts: int = PAIR_ATTEMPTS
+    """Calibrations of each overlap pair at most (see `PAIR_ATTEMPTS`)."""
     sweep: bool = True
     peers: tuple[str, ...] = PEERS
     backends: tuple[str, ...] | None = None
@@ -151,6 +158,7 @@ class BenchSettings:
             "headline_rounds": preset.headline_rounds,
             "sweep_bucket_bytes": preset.sweep_bucket_bytes,
             "sweep_num_buffers": preset.sweep_num_buffers,
+            "pair_attempts": preset.pair_attempts,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -798,7 +806,7 @@ def _gather_wire_pair(ctx: _PairRun) -> dict[str, Any]:
     with worker:
         target = settings.gather_x * ctx.calibrate(worker, url)
         tries: list[dict[str, Any]] = []
-        for attempt in range(1, PAIR_ATTEMPTS + 1):
+        for attempt in range(1, settings.pair_attempts + 1):
             delay, gather_alone = _calibrated_gather(
                 ctx.model, target, ctx.rounds, ctx.plan.total_bytes
             )
@@ -859,7 +867,7 @@ def _wire_transform_pair(ctx: _PairRun) -> dict[str, Any]:
     with worker:
         aim = ctx.calibrate(worker, url)
         tries: list[dict[str, Any]] = []
-        for attempt in range(1, PAIR_ATTEMPTS + 1):
+        for attempt in range(1, settings.pair_attempts + 1):
             s_per_bucket = _calibrated_transform_s(settings, aim, ctx.plan, ctx.apply)
             transform = TransformConfig(
                 s_per_bucket=s_per_bucket, bucket_bytes=ctx.config.bucket_bytes

@@ -55,7 +55,7 @@ async def run_demo(steps: int = 5, bucket_mib: int = 16) -> None:
                     loss.backward()  # type: ignore[no-untyped-call]
                     optimizer.step()
                     stats = await engine.send_weights(weight_version=f"step-{step}")
-                    (status,) = await client.weights_status()
+                    (status,) = await client.weights_status(checksum=True)
                     same = status["checksum"] == model_checksum(policy)
                     if not same or status["weight_version"] != f"step-{step}":
                         raise SystemExit(f"step {step}: the worker's weights differ: {status}")

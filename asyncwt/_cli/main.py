@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib
 import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
 import anyio
 import torch
 
 from .._core.concurrency import unwrap_group
+from .._core.logs import add_log_level_option, configure_logging
 from .._core.validate import check_port
+from .._registry import worker_engine_class
 from .._worker.base import WeightTransferConfig
 from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
 from .._worker.server_limits import ServerLimits
@@ -31,9 +36,27 @@ logger = logging.getLogger("asyncwt.cli")
 Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
+class UsageError(Exception):
+    """A mistake in the command line: reported as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line (`PROG: error: ...; see PROG --help`), not the
+    usage block followed by the error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `asyncwt` command line with `argv` (default `sys.argv[1:]`); the exit status."""
-    parser = argparse.ArgumentParser(
+    """Run the `asyncwt` command line with `argv` (default `sys.argv[1:]`); the exit status.
+
+    A mistake (an unknown backend, a port in use, a module that cannot be imported)
+    ends in one line on stderr, `asyncwt COMMAND: error: ...`, naming what was given,
+    what is accepted and what to do, and exit status 2; a failure after startup in
+    one line too, and status 1.
+    """
+    parser = _Parser(
         prog="asyncwt", description="Move a trainer's weights into running inference workers."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -47,11 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "listening; stops cleanly (exit 0) on SIGTERM or SIGINT."
         ),
     )
+    add_log_level_option(worker)
     worker.add_argument(
         "--model",
         required=True,
         metavar="MODULE:FACTORY",
-        help="zero-argument callable returning a torch.nn.Module, e.g. mypkg.models:tiny",
+        help=(
+            "zero-argument callable returning a torch.nn.Module, e.g. mypkg.models:tiny "
+            "(imported from the current folder first, as `python -m` does)"
+        ),
     )
     worker.add_argument(
         "--import",
@@ -79,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)"
     )
     worker.add_argument(
-        "--backend", default="tcp", help="worker engine backend (default %(default)s)"
+        "--backend",
+        default="tcp",
+        help="worker engine backend: tcp, shm, torch_dist, cuda_ipc (default %(default)s)",
     )
     worker.add_argument(
         "--apply-threads",
@@ -118,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--relay-host",
         default=None,
         help=(
-            "address a tcp chain worker listens on for its successor (default: --host, "
-            "or the address it reaches the trainer from when --host is a wildcard)"
+            "address a tcp chain worker listens on for its predecessor (the worker before it "
+            "in the chain connects there; default: --host, or the address it reaches the "
+            "trainer from when --host is a wildcard)"
         ),
     )
     defaults = ServerLimits()
@@ -157,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo",
         help="train a small model and push its weights to a worker process after each step",
     )
+    add_log_level_option(demo)
     demo.add_argument("--steps", type=int, default=5, help="training steps (default %(default)s)")
     demo.set_defaults(run=_demo_command)
 
@@ -170,16 +201,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        # The benchmark has its own options (argparse would not pass `--help` through).
+        # The benchmark has its own options, --log-level among them (argparse would
+        # not pass `--help` through).
         return _bench_command(argparse.Namespace(bench_args=argv[1:]), parser)
     args = parser.parse_args(argv)
     run: Command = args.run
-    return run(args, parser)
+    try:
+        try:
+            configure_logging(args.log_level)
+        except ValueError as exc:
+            raise UsageError(f"{exc}; unset it or pass --log-level") from None
+        return run(args, parser)
+    except UsageError as exc:
+        print(f"asyncwt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _demo_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.steps < 1:
-        parser.error(f"--steps should be >= 1, got {args.steps}")
+        raise UsageError(f"--steps should be >= 1, got {args.steps}")
     from .demo import main as demo_main
 
     return demo_main(args.steps)
@@ -193,15 +233,22 @@ def _bench_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    """Check every option (names, addresses, the port) before the model is built, then serve."""
+    # As `python -m` does: `--model quickstart:make_model` works from the folder that
+    # holds quickstart.py.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, "")
     for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            parser.error(f"--import {module}: {exc}")
-    transform = _import_object(args.transform, "--transform", parser) if args.transform else None
+        _import_module(module, f"--import {module}")
+    transform = _import_object(args.transform, "--transform") if args.transform else None
+    factory = _import_object(args.model, "--model")
+    try:
+        worker_engine_class(args.backend)
+    except ValueError as exc:
+        raise UsageError(
+            f"{exc}; pass one that runs here to --backend (tcp and shm need only a CPU), "
+            "or --import the module that registers yours"
+        ) from None
     try:
         check_port("--port", args.port, allow_zero=True)
         config = WeightTransferConfig(
@@ -219,14 +266,14 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             max_body_bytes=args.max_body_bytes,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        raise UsageError(str(exc)) from None
+    _check_bindable(args.host, args.port)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         check_api_key(api_key, args.host)
     except ValueError as exc:
-        print(f"asyncwt worker: error: {exc}", file=sys.stderr)
-        return 1
-    model = _build_model(args.model, parser)
+        raise UsageError(str(exc)) from None
+    model = _build_model(factory, args.model)
     try:
         anyio.run(
             _serve_until_signal,
@@ -241,40 +288,95 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         )
     except KeyboardInterrupt:  # before the signal handlers were installed
         return 130
-    except Exception as exc:  # noqa: BLE001 - the top level: report any startup failure
+    except Exception as exc:
+        logger.debug("the worker failed", exc_info=True)
         print(f"asyncwt worker: error: {_describe(exc)}", file=sys.stderr)
         return 1
     return 0
 
 
-def _import_object(
-    spec: str, option: str, parser: argparse.ArgumentParser
-) -> Callable[..., object]:
+def _check_bindable(host: str, port: int) -> None:
+    """Bind `host:port` once and let go: a bad address or a port in use is reported now,
+    before the model is built, not as a failure of the server after it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(
+            f"--host {host!r} is not an address: {exc}; give an IP address or a name of this "
+            "machine, e.g. 127.0.0.1 (this host only, the default) or 0.0.0.0 (every "
+            "interface, with --api-key)"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if port and exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"--port {port} is already in use on {host}: another process listens "
+                    "there; stop it, pick another port, or pass --port 0 for a free one"
+                ) from None
+            raise UsageError(
+                f"cannot listen on --host {host!r} --port {port}: {exc.strerror or exc}; give "
+                "an address of this machine (127.0.0.1, or 0.0.0.0 with --api-key) and a "
+                "free port (--port 0 picks one)"
+            ) from None
+
+
+def _import_module(name: str, option: str) -> object:
+    """Import `name` for `option`; a failure says how to make the module importable."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing is not None and name.split(".")[0] == missing.split(".")[0]:
+            raise UsageError(
+                f"{option}: cannot import {name} ({exc}); it should be importable from "
+                f"{os.getcwd()}: run from the folder holding {name.split('.')[0]}.py or its "
+                "package, add that folder to PYTHONPATH, or pip install the package"
+            ) from None
+        raise UsageError(
+            f"{option}: importing {name} failed: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _import_object(spec: str, option: str) -> Callable[..., object]:
     """Import `MODULE:NAME` (NAME may be dotted) and check that it is callable."""
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        parser.error(f"{option} should be MODULE:NAME, got {spec!r}")
-    try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        parser.error(f"{option} {spec}: cannot import {module_name}: {exc}")
+        raise UsageError(f"{option} should be MODULE:NAME, e.g. mypkg.models:tiny, got {spec!r}")
+    target = _import_module(module_name, f"{option} {spec}")
     for attr in attr_path.split("."):
         try:
             target = getattr(target, attr)
         except AttributeError:
-            parser.error(f"{option} {spec}: {module_name} has no attribute {attr_path!r}")
+            raise UsageError(
+                f"{option} {spec}: {module_name} has no attribute {attr_path!r}; name a "
+                f"function defined in {module_name}"
+            ) from None
     if not callable(target):
-        parser.error(
+        raise UsageError(
             f"{option} {spec}: {attr_path} should be callable, got {type(target).__name__}"
         )
     return target
 
 
-def _build_model(spec: str, parser: argparse.ArgumentParser) -> torch.nn.Module:
-    """Import `MODULE:FACTORY` and call it."""
-    model = _import_object(spec, "--model", parser)()
+def _build_model(factory: Callable[..., object], spec: str) -> torch.nn.Module:
+    """Call the `--model` factory; anything but a module (or an error) is a usage error."""
+    try:
+        model = factory()
+    except Exception as exc:
+        logger.debug("--model %s failed", spec, exc_info=True)
+        raise UsageError(
+            f"--model {spec}: the factory raised {type(exc).__name__}: {exc} "
+            "(--log-level DEBUG shows the traceback)"
+        ) from None
     if not isinstance(model, torch.nn.Module):
-        parser.error(f"--model {spec}: the factory returned {type(model).__name__}, not nn.Module")
+        raise UsageError(
+            f"--model {spec}: the factory returned {type(model).__name__}; it should return "
+            "a torch.nn.Module"
+        )
     return model
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -13,6 +14,7 @@ from typing_extensions import Self
 
 from .._core.concurrency import fan_out
 from .._core.errors import ControlPlaneError
+from .._core.settings import API_KEY_ENV
 from .._core.validate import check_timeout
 from .protocol import WeightTransferUpdatePayload
 
@@ -39,7 +41,9 @@ class HttpClient:
         timeout: seconds a single call may take in all; `update_weights` lasts a
             whole round, so keep it generous.
         api_key: the workers' API key (`asyncwt worker --api-key`), sent with every
-            request as `Authorization: Bearer <api_key>`; None sends none.
+            request as `Authorization: Bearer <api_key>`; None reads it from
+            `$ASYNCWT_API_KEY`, as the worker does, and sends none where that is unset
+            or empty.
 
     Raises:
         ControlPlaneError: from every call, when a worker answers non-2xx (the
@@ -61,10 +65,14 @@ class HttpClient:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"base_urls should be http(s):// URLs, got {url!r}")
         check_timeout("timeout", timeout)
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV) or None
         if api_key is not None and (
             not isinstance(api_key, str) or not api_key or not api_key.isprintable()
         ):
-            raise ValueError("api_key should be a non-empty printable str or None")
+            raise ValueError(
+                f"api_key (or ${API_KEY_ENV}) should be a non-empty printable str or None"
+            )
         self.base_urls: tuple[str, ...] = tuple(url.rstrip("/") for url in urls)
         self.timeout = timeout
         self._api_key = api_key
@@ -162,19 +170,22 @@ class HttpClient:
         """
         await self._post_all("/shutdown_weight_transfer_engine", {})
 
-    async def weights_status(self) -> list[dict[str, Any]]:
+    async def weights_status(self, *, checksum: bool = False) -> list[dict[str, Any]]:
         """GET `/weights_status` from every worker, concurrently, in `base_urls` order.
 
         Each dict holds `weight_version` (the last round that completed),
         `weights_incomplete` (whether a failed round left the model half-updated),
-        `checksum` (see `model_checksum`), `backend` and `initialized`. Cancellation:
-        the requests are abandoned; nothing changes remotely.
+        `checksum` (see `model_checksum`; None unless `checksum` is true, which asks
+        for `?checksum=1`: the worker hashes every weight), `backend` and
+        `initialized`. Cancellation: the requests are abandoned; nothing changes
+        remotely.
         """
+        route = "/weights_status?checksum=1" if checksum else "/weights_status"
         results: list[dict[str, Any]] = [{} for _ in self.base_urls]
 
         async def fetch(index: int) -> None:
             url = self.base_urls[index]
-            answer = await self._request("GET", url, "/weights_status", None)
+            answer = await self._request("GET", url, route, None)
             if not isinstance(answer, dict):
                 raise ControlPlaneError(
                     f"GET /weights_status to {url} answered {type(answer).__name__}, "

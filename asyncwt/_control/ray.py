@@ -185,12 +185,13 @@ class RayClient:
         """
         await self._on_each("shutdown_weight_transfer_engine")
 
-    async def weights_status(self) -> list[dict[str, Any]]:
+    async def weights_status(self, *, checksum: bool = False) -> list[dict[str, Any]]:
         """Every asyncwt actor's status, concurrently, in `actors` order.
 
         The same dicts as the worker server's `GET /weights_status`: `weight_version`,
-        `weights_incomplete`, `checksum` (see `model_checksum`), `backend`,
-        `initialized`. Cancellation: the calls are abandoned; nothing changes.
+        `weights_incomplete`, `checksum` (see `model_checksum`; None unless `checksum`
+        is true: it hashes every weight), `backend`, `initialized`. Cancellation: the
+        calls are abandoned; nothing changes.
 
         Raises:
             TypeError: an actor is not asyncwt's worker actor (it has no status).
@@ -204,7 +205,9 @@ class RayClient:
         results: list[dict[str, Any]] = [{} for _ in self.actors]
 
         async def fetch(index: int) -> None:
-            results[index] = await self._call(self.actors[index], "weights_status")
+            results[index] = await self._call(
+                self.actors[index], "weights_status", checksum=checksum
+            )
 
         await fan_out([functools.partial(fetch, i) for i in range(len(self.actors))])
         return results

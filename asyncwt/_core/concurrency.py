@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -23,6 +24,15 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield exc
 
 
+def _cancelled_class() -> type[BaseException]:
+    """anyio's cancellation class; outside a loop (a command line reporting a failed
+    `anyio.run`), asyncio's, the backend asyncwt runs on."""
+    try:
+        return anyio.get_cancelled_exc_class()
+    except RuntimeError:  # anyio.NoEventLoopError: no loop is running
+        return asyncio.CancelledError
+
+
 def unwrap_group(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first real error of `group`, with the others added as notes.
 
@@ -30,8 +40,7 @@ def unwrap_group(group: BaseExceptionGroup[BaseException]) -> BaseException:
     leaf is neither an `Exception` nor a cancellation (KeyboardInterrupt, ...) the
     group itself is returned, so that nothing is hidden.
     """
-    cancelled = anyio.get_cancelled_exc_class()
-    leaves = [exc for exc in _leaves(group) if not isinstance(exc, cancelled)]
+    leaves = [exc for exc in _leaves(group) if not isinstance(exc, _cancelled_class())]
     if not leaves or not all(isinstance(exc, Exception) for exc in leaves):
         return group
     first, *others = leaves

@@ -17,6 +17,7 @@ from .validate import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "MAX_NUM_BUFFERS",
     "MAX_ROUND_ID",
     "MAX_TRAINER_ID_CHARS",
@@ -34,6 +35,10 @@ _TIMEOUTS = (
     "drain_timeout",
     "rpc_timeout",
 )
+API_KEY_ENV = "ASYNCWT_API_KEY"
+"""The environment variable holding the workers' API key: `asyncwt worker` reads it
+(as `--api-key`), and so does `HttpClient` when given no `api_key`."""
+
 MAX_NUM_BUFFERS = 64
 """Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
 on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""

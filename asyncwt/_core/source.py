@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from typing import Any
 
@@ -120,6 +120,17 @@ def _is_member(param: torch.Tensor) -> bool:
     return mesh is None or mesh.get_coordinate() is not None
 
 
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _uncompiled(name: str) -> str:
+    """`name` without the `_orig_mod.` segments `torch.compile` adds (the compiled
+    module's own parameters are its original module's, one level down)."""
+    if _COMPILED_PREFIX not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 class ModuleSource(WeightSource):
     """A `WeightSource` over `module.named_parameters()`: plain, FSDP2 or DTensor.
 
@@ -139,15 +150,54 @@ class ModuleSource(WeightSource):
     one layer's tensors instead of a vocabulary-sized LM head shortens what no
     pipeline can hide.
     `layers_last=False` keeps `named_parameters()` order.
+
+    Names: a `torch.compile`d module (or one with compiled submodules) is read through
+    to the module it wraps, so the names are the model's own, without `_orig_mod.`.
+    `rename` maps each name to the one the workers' model uses, or to None to leave
+    the parameter out (a frozen tower, a head the rollout model lacks):
+
+        ModuleSource(model, rename=lambda name: name.removeprefix("policy."))
+        ModuleSource(model, rename=lambda name: None if "lora_" in name else name)
+
+    It runs once per parameter on every pass, so it must be a pure function.
     """
 
-    def __init__(self, module: torch.nn.Module, *, layers_last: bool = True) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        layers_last: bool = True,
+        rename: Callable[[str], str | None] | None = None,
+    ) -> None:
+        if rename is not None and not callable(rename):
+            raise ValueError(f"rename should be a callable or None, got {type(rename).__name__}")
         self._module = module
         self.layers_last = layers_last
+        self.rename = rename
 
     def _parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """`named_parameters()` in this source's order (read anew on every pass)."""
-        named: list[tuple[str, torch.Tensor]] = list(self._module.named_parameters())
+        """`named_parameters()` renamed, in this source's order (read anew on every pass)."""
+        named: list[tuple[str, torch.Tensor]] = []
+        seen: dict[str, str] = {}
+        for original, param in self._module.named_parameters():
+            name = _uncompiled(original)
+            if self.rename is not None:
+                renamed = self.rename(name)
+                if renamed is None:
+                    continue
+                if not isinstance(renamed, str) or not renamed:
+                    raise ValueError(
+                        f"rename should return a non-empty str or None, got {renamed!r} for "
+                        f"{original!r}"
+                    )
+                name = renamed
+            if name in seen:
+                raise ValueError(
+                    f"rename maps both {seen[name]!r} and {original!r} to {name!r}; "
+                    "names should stay unique"
+                )
+            seen[name] = original
+            named.append((name, param))
         if self.layers_last:
             named.sort(key=lambda item: in_layer_stack(item[0]))  # stable: False first
         return named

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RoundStats", "StageClock"]
+__all__ = ["Progress", "RoundStats", "StageClock"]
+
+Progress = Callable[[int, int], object]
+"""`progress(sent_bytes, total_bytes)`: told after each bucket of a round went to the
+transport (`send_weights(progress=...)`), on the event loop, so it must be quick (log,
+update a bar, set a gauge). `total_bytes` is this rank's payload for the round."""
 
 
 class StageClock:

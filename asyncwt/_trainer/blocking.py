@@ -30,7 +30,7 @@ from .._control.protocol import AnyWeightSyncClient
 from .._core.device import resolve_device
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
-from .._core.stats import RoundStats
+from .._core.stats import Progress, RoundStats
 from .._registry import trainer_init
 from .base import TrainerInitInfo, TrainerWeightTransferEngine
 
@@ -163,14 +163,21 @@ class SyncTrainerEngine:
                 raise KeyboardInterrupt
         return future.result()
 
-    def send_weights(self, *, weight_version: str | None = None) -> RoundStats:
-        """Run one round (blocking) and return its stats; see the async `send_weights`."""
+    def send_weights(
+        self, *, weight_version: str | None = None, progress: Progress | None = None
+    ) -> RoundStats:
+        """Run one round (blocking) and return its stats; see the async `send_weights`.
+
+        `progress(sent_bytes, total_bytes)` is called from the engine's loop thread,
+        not the caller's."""
         _refuse_inside_event_loop("send_weights")
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
         fence = getattr(self.engine, "fence", None)
         join = getattr(self.engine, "join_caller", None)
         kwargs: dict[str, Any] = {"weight_version": weight_version}
+        if progress is not None:
+            kwargs["progress"] = progress
         if fence is not None:
             kwargs["after"] = fence()  # the caller's stream, in the caller's thread
         if join is not None:

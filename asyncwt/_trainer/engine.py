@@ -25,7 +25,7 @@ from .._core.errors import ControlPlaneError
 from .._core.plan import TransferPlan
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
-from .._core.stats import RoundStats
+from .._core.stats import Progress, RoundStats
 from .._transports.base import SenderTransport
 from .base import TrainerInitInfo, TrainerWeightTransferEngine
 from .lanes import DeviceLane, LaneEvent
@@ -221,8 +221,14 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         weight_version: str | None = None,
         after: LaneEvent | None = None,
         join: bool = True,
+        progress: Progress | None = None,
     ) -> RoundStats:
         """Run one round and return its stats; call it on every trainer rank.
+
+        `progress(sent_bytes, total_bytes)`, where given, is called after each bucket
+        went to the transport, on the event loop (keep it quick: log, move a bar): a
+        long round (a 70B model over TCP) shows it is moving. `total_bytes` is this
+        rank's payload for the round; the round ends after the workers applied it.
 
         Every rank first waits (on the device, not the host) for the work queued on
         the calling thread's current stream, or for `after` (see `fence`): the
@@ -272,11 +278,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 return self._stats(round_id, weight_version, started, busy, sent=False)
             self.transport.check_usable()
             if self.is_sender:
-                busy = await self._sender_round(self.transport, round_id, weight_version, fence)
+                busy = await self._sender_round(
+                    self.transport, round_id, weight_version, fence, progress
+                )
             else:  # senders="owners": this rank's share, over its own links
                 from .owners import share_round
 
-                busy = await share_round(self, self.transport, round_id, fence)
+                busy = await share_round(self, self.transport, round_id, fence, progress)
             return self._stats(round_id, weight_version, started, busy, sent=True)
         finally:
             self._busy = False
@@ -289,6 +297,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         round_id: int,
         weight_version: str | None,
         fence: LaneEvent,
+        progress: Progress | None = None,
     ) -> dict[str, float]:
         """Open the round while the first tensors are gathered, stream, finish.
 
@@ -342,7 +351,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     with single_error():
                         async with anyio.create_task_group() as stream:
                             stream.start_soon(open_round, tg)
-                            busy = await self.stream(transport, fence, opened)
+                            busy = await self.stream(transport, fence, opened, progress)
                     await transport.end_round()
                 except BaseException as exc:
                     failed = True
@@ -388,7 +397,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         }
 
     async def stream(
-        self, transport: SenderTransport, fence: LaneEvent, opened: anyio.Event
+        self,
+        transport: SenderTransport,
+        fence: LaneEvent,
+        opened: anyio.Event,
+        progress: Progress | None = None,
     ) -> dict[str, float]:
         """This rank's pipeline over its plan into `transport` (see `run_pipeline`)."""
         return await run_pipeline(
@@ -401,6 +414,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             config=self._pipeline,
             fence=fence,
             opened=opened,
+            progress=progress,
         )
 
     def _stats(

@@ -30,6 +30,7 @@ from .._core.meta import ParamMeta
 from .._core.owners import OwnersLayout, pieces_by_param
 from .._core.plan import TransferPlan
 from .._core.source import WeightSource
+from .._core.stats import Progress
 from .._transports.base import SenderTransport
 from .lanes import LaneEvent
 
@@ -274,6 +275,7 @@ async def share_round(
     transport: SenderTransport,
     round_id: int,
     fence: LaneEvent,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """One round on a rank other than 0 with `senders="owners"`: its links only.
 
@@ -292,7 +294,7 @@ async def share_round(
         with single_error():
             async with anyio.create_task_group() as stream:
                 stream.start_soon(open_round)
-                busy = await engine.stream(transport, fence, opened)
+                busy = await engine.stream(transport, fence, opened, progress)
         await transport.end_round()
     except BaseException as exc:
         with anyio.CancelScope(shield=True):

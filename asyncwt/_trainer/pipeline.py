@@ -27,7 +27,7 @@ import collections
 import contextlib
 import functools
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import anyio
@@ -40,7 +40,7 @@ from .._core.errors import SourceMismatchError
 from .._core.plan import Bucket, Slice, TransferPlan
 from .._core.sched import bulk_work, prompt_wakeups
 from .._core.source import WeightSource
-from .._core.stats import StageClock
+from .._core.stats import Progress, StageClock
 from .._transports.base import Segment, SenderTransport, Settle
 from .lanes import DeviceLane, LaneEvent, staging_buffer
 
@@ -412,8 +412,11 @@ async def _send(
     sink: SenderTransport,
     clock: StageClock,
     window: int,
+    sent_bytes: Callable[[int], None] | None = None,
 ) -> int:
     """Send each bucket; keep fewer than `window` in flight while the next is packed.
+
+    `sent_bytes` is told each bucket's payload bytes once the sink took them.
 
     Every bucket left in flight is settled, once, before this returns, even on an
     error or a cancellation: its bytes may be read until it settles, so settling is
@@ -445,6 +448,8 @@ async def _send(
                         await settle_oldest()
                 clock.stop()
                 sent += 1
+                if sent_bytes is not None:
+                    sent_bytes(packed.bucket.payload_bytes)
             clock.start()
             while in_flight:
                 await settle_oldest()
@@ -455,6 +460,19 @@ async def _send(
                 with contextlib.suppress(Exception):  # the round failed already
                     await settle()
     return sent
+
+
+def _progress_counter(plan: TransferPlan, progress: Progress) -> Callable[[int], None]:
+    """Turn each bucket's bytes into `progress(sent so far, total)` calls."""
+    total = sum(bucket.payload_bytes for bucket in plan.buckets)
+    sent = 0
+
+    def add(nbytes: int) -> None:
+        nonlocal sent
+        sent += nbytes
+        progress(sent, total)
+
+    return add
 
 
 async def run_pipeline(
@@ -468,8 +486,12 @@ async def run_pipeline(
     config: PipelineConfig,
     fence: LaneEvent,
     opened: anyio.Event | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Stream every bucket of `plan` from `source` into `sink`; return stage busy seconds.
+
+    `progress(sent, total)`, where given, is called on the loop after each bucket the
+    sink took, with the payload bytes sent so far and in all (see `Progress`).
 
     The source is read only after `fence` (the caller's training step, see
     `PipelinedTrainerEngine.fence`), on the device.
@@ -525,7 +547,15 @@ async def run_pipeline(
                     opened,
                 )
                 window = min(sink.in_flight_buckets, config.num_buffers)
-                tg.start_soon(_send, packed_recv, slot_send, sink, clocks["send"], window)
+                tg.start_soon(
+                    _send,
+                    packed_recv,
+                    slot_send,
+                    sink,
+                    clocks["send"],
+                    window,
+                    None if progress is None else _progress_counter(plan, progress),
+                )
         finally:
             stop.set()
     return {name: clock.busy_s for name, clock in clocks.items()}

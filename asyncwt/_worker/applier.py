@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,8 @@ __all__ = [
     "split_runs",
     "weights_loader",
 ]
+
+logger = logging.getLogger("asyncwt.worker")
 
 MIN_PART_BYTES = 1 << 20
 """A bucket's elementwise work is split among the apply threads only into parts of
@@ -505,7 +508,7 @@ class DeferredApplier:
             device = buffer.device if buffer is not None and buffer.is_cuda else target.device
             with self._on_device(device):
                 where = self._apply_on_stream(target, buffer, whole, pieces)
-        except BaseException as exc:  # noqa: BLE001 - kept for drain(), never lost
+        except BaseException as exc:
             if isinstance(exc, _Failed):
                 where, exc = exc.where, exc.cause
             error = ApplyError(
@@ -514,8 +517,11 @@ class DeferredApplier:
             )
             error.__cause__ = exc
             with self._lock:
-                if self._error is None:
+                first = self._error is None
+                if first:
                     self._error = error
+            if first:  # the user's transform or load_weights: its traceback, once a round
+                logger.error("%s", error, exc_info=exc)
         finally:
             release()
 

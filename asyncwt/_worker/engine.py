@@ -448,6 +448,11 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         except ApplyError as exc:  # reported already, or belongs to an abandoned round
             logger.debug("dropping an error from an abandoned round: %r", exc)
 
+    @property
+    def round_bytes(self) -> int | None:
+        """Payload bytes of one round (the plan's), None before the init."""
+        return None if self._plan is None else self._plan.total_bytes
+
     def _require_init(self) -> tuple[ReceiverTransport, TransferPlan, ModelTarget]:
         receiver, plan, target = self.receiver, self._plan, self._target
         if receiver is None or plan is None or target is None:

@@ -104,10 +104,13 @@ class WorkerActor:
         """Release the transport; the actor keeps its model and a later init reconnects."""
         await self._driver.shutdown(drop=True)
 
-    async def weights_status(self) -> dict[str, Any]:
-        """`weight_version`, `weights_incomplete`, `checksum`, `backend`, `initialized`
-        (the worker server's `GET /weights_status`)."""
-        return await weights_status(self._driver, self.model, self.config.backend)
+    async def weights_status(self, *, checksum: bool = False) -> dict[str, Any]:
+        """`weight_version`, `weights_incomplete`, `checksum` (None unless asked for:
+        it hashes every weight), `backend`, `initialized` (the worker server's
+        `GET /weights_status`)."""
+        return await weights_status(
+            self._driver, self.model, self.config.backend, checksum=checksum
+        )
 
     async def get_weight_version(self) -> str | None:
         """The version of the last round that completed (vLLM's name for it)."""

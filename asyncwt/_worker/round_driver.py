@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -21,9 +23,12 @@ import torch
 from .._core.checksum import model_checksum
 from .._core.errors import PlanMismatchError, RoundConflictError, StaleRoundError, TransferError
 from .base import WeightTransferEngine
+from .metrics import WorkerMetrics
 from .rounds import RoundState
 
 __all__ = ["InvalidInfoError", "RoundDriver", "finish_engine_round", "weights_status"]
+
+logger = logging.getLogger("asyncwt.worker")
 
 T = TypeVar("T")
 Engine = WeightTransferEngine[Any, Any]
@@ -54,6 +59,12 @@ def _optional_int(info: object, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _round_bytes(engine: Engine | None) -> int | None:
+    """The payload bytes of one of the engine's rounds, where it says (asyncwt's do)."""
+    value = getattr(engine, "round_bytes", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def finish_engine_round(engine: Engine, weight_version: str | None) -> None:
     """Call `engine.finish_weight_update`, passing `weight_version` when one is given.
 
@@ -79,16 +90,27 @@ def finish_engine_round(engine: Engine, weight_version: str | None) -> None:
 class RoundDriver:
     """Drives one engine's rounds under a `RoundState` (see the module docstring).
 
+    At INFO it logs each init (a trainer connected), each round's update received
+    and each publish, with the round's bytes and seconds, and each failed call.
+
     Args:
         engine: the engine, or None to build one with `create` at the first init.
         create: builds a new engine after `shutdown(drop=True)` (the server's way).
+        metrics: counters to update as rounds go (the server's `GET /metrics`).
     """
 
     def __init__(
-        self, engine: Engine | None, *, create: Callable[[], Engine] | None = None
+        self,
+        engine: Engine | None,
+        *,
+        create: Callable[[], Engine] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
         self._create = create
+        self.metrics = metrics
+        self._started_at = 0.0
+        """`perf_counter` when the open round started (its seconds, at the publish)."""
         self.state = RoundState()
         self._init_lock = anyio.Lock()
         self._transition = anyio.Lock()
@@ -127,21 +149,35 @@ class RoundDriver:
                 self.state.begin_init()
                 try:
                     await _in_thread(functools.partial(engine.init_transfer_engine, parsed))
+                except BaseException as exc:
+                    self._failed("init", "init_weight_transfer_engine", exc)
+                    raise
                 finally:
                     self._note_engine(engine)
                 if self.engine is not engine:
                     raise RoundConflictError("the transfer engine was shut down during its init")
-                self.state.end_init(_optional_str(parsed, "trainer_id"))
+                trainer = _optional_str(parsed, "trainer_id")
+                self.state.end_init(trainer)
+                if self.metrics is not None:
+                    self.metrics.connected()
+                logger.info(
+                    "trainer %s connected: %s initialised for %s bytes a round",
+                    trainer or "(unnamed)",
+                    type(engine).__name__,
+                    _round_bytes(engine) or "?",
+                )
 
     async def start(self, *, round_id: int | None = None, trainer_id: str | None = None) -> None:
         """Open a round (abandoning an open one) and start it on the engine."""
         engine = self.ready_engine("start_weight_update")
         async with self._transition:
             opened = self.state.start(round_id=round_id, trainer_id=trainer_id)
+            self._started_at = time.perf_counter()
             try:
                 await _in_thread(engine.start_weight_update)
             except BaseException as exc:
                 self.state.start_failed(opened, _describe(exc))
+                self._failed("start", opened.name, exc)
                 raise
             finally:
                 self._note_engine(engine)
@@ -170,9 +206,16 @@ class RoundDriver:
         except BaseException as exc:
             self.state.end_update(ticket, error=_describe(exc))
             self._note_engine(engine, default=True)
+            self._failed("update", f"round {_optional_int(parsed, 'round_id') or '?'}", exc)
             raise
         self.state.end_update(ticket)
         self._note_engine(engine)
+        logger.info(
+            "round %s received: %s bytes in %.3f s",
+            _optional_int(parsed, "round_id") or "?",
+            _round_bytes(engine) or "?",
+            time.perf_counter() - self._started_at,
+        )
 
     async def finish(
         self,
@@ -191,17 +234,31 @@ class RoundDriver:
             except BaseException as exc:
                 self.state.end_finish(closing, weight_version, error=_describe(exc))
                 self._note_engine(engine, default=True)
+                self._failed("finish", closing.name, exc)
                 raise
             reason = self.state.end_finish(closing, weight_version, error=None)
             if reason is not None:
                 self._note_engine(engine, default=True)
-                raise TransferError(
+                error = TransferError(
                     f"{closing.name} did not complete, so version {weight_version!r} is not "
                     f"published: {reason}"
                 )
+                self._failed("finish", closing.name, error)
+                raise error
             self._note_engine(engine)
             untouched = getattr(engine, "untouched_params", ())
             self.untouched_params = tuple(untouched) if isinstance(untouched, tuple) else ()
+            seconds = time.perf_counter() - self._started_at
+            nbytes = _round_bytes(engine)
+            if self.metrics is not None:
+                self.metrics.published(weight_version, nbytes, seconds)
+            logger.info(
+                "%s published as version %s: %s bytes in %.3f s from its start",
+                closing.name,
+                weight_version,
+                nbytes if nbytes is not None else "?",
+                seconds,
+            )
 
     async def shutdown(self, *, drop: bool) -> None:
         """Shut the engine down (in a thread); `drop` it so the next init builds a new one.
@@ -216,6 +273,14 @@ class RoundDriver:
             self.engine = None
         if engine is not None:
             await _in_thread(engine.shutdown)
+
+    def _failed(self, stage: str, what: str, exc: BaseException) -> None:
+        """Count and log a failed call (a cancellation is neither: nothing failed)."""
+        if not isinstance(exc, Exception):
+            return
+        if self.metrics is not None:
+            self.metrics.failed(stage)
+        logger.info("%s: %s failed: %s", what, stage, _describe(exc))
 
     def _note_engine(self, engine: Engine | None, *, default: bool = False) -> None:
         """Record the engine's own `weights_incomplete`; `default` where it has none."""
@@ -236,20 +301,22 @@ class RoundDriver:
 
 
 async def weights_status(
-    driver: RoundDriver, model: torch.nn.Module, backend: str
+    driver: RoundDriver, model: torch.nn.Module, backend: str, *, checksum: bool = False
 ) -> dict[str, Any]:
     """What a worker reports about its weights (the server's `GET /weights_status`).
 
-    `weight_version` (the last round that completed), `weights_incomplete`, `checksum`
-    (`model_checksum`, computed in a worker thread), `backend`, `initialized`, and
-    `untouched_params`: the model's parameters that version left as they were (the
+    `weight_version` (the last round that completed), `weights_incomplete`, `backend`
+    and `initialized` cost nothing: poll them, or use them as a health probe.
+    `checksum` is None unless asked for: `model_checksum` hashes every weight (in a
+    worker thread), seconds on a 1 GiB model and minutes on a 70B one.
+    `untouched_params` lists the model's parameters that version left as they were (the
     trainer opted in to a partial update; empty otherwise).
     """
-    checksum = await _in_thread(functools.partial(model_checksum, model))
+    digest = await _in_thread(functools.partial(model_checksum, model)) if checksum else None
     return {
         "weight_version": driver.state.weight_version,
         "weights_incomplete": driver.weights_incomplete,
-        "checksum": checksum,
+        "checksum": digest,
         "backend": backend,
         "initialized": driver.state.initialized,
         "untouched_params": list(driver.untouched_params),

@@ -8,8 +8,13 @@ Routes (every answer is JSON; an error is `{"error": message}`, never a stack tr
     POST /finish_weight_update         {"weight_version": str|null,
                                         "round_id"?, "trainer_id"?}          200 | 400 | 409 | 500
     POST /shutdown_weight_transfer_engine  {}                                200 | 400 | 500
-    GET  /weights_status   -> {"weight_version", "weights_incomplete", "checksum",
-                               "backend", "initialized", "untouched_params"}
+    GET  /weights_status[?checksum=1]  -> {"weight_version", "weights_incomplete",
+                               "checksum", "backend", "initialized",
+                               "untouched_params"}
+    GET  /metrics          -> Prometheus text format (see `metrics.py`)
+
+`GET /weights_status` is cheap (a health probe, a poll); its `checksum` is null
+unless the query asks for it with `?checksum=1`, which hashes every weight.
 
 Rounds follow `RoundState` (see `_rounds.py`): a version is published only by the
 finish that closes the round its start opened, once every update and the drain of
@@ -55,9 +60,10 @@ import torch
 from aiohttp import web
 
 from .._core.errors import AsyncwtError, PlanMismatchError, RoundConflictError, StaleRoundError
-from .._core.settings import MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
+from .._core.settings import API_KEY_ENV, MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
 from .._registry import create_worker_engine
 from .base import WeightTransferConfig, WeightTransferEngine
+from .metrics import CONTENT_TYPE, WorkerMetrics
 from .round_driver import InvalidInfoError, RoundDriver, weights_status
 from .server_limits import (
     DEFAULT_MAX_BODY_BYTES,
@@ -175,6 +181,14 @@ def _trainer_field(body: dict[str, Any]) -> str | None:
 _ROUND_KEYS = frozenset({"round_id", "trainer_id"})
 
 
+def _flag(request: web.Request, name: str) -> bool:
+    """A yes/no query parameter: `1`/`true` or `0`/`false`, absent meaning no."""
+    value = request.query.get(name, "0").lower()
+    if value not in ("0", "1", "true", "false"):
+        raise _ApiError(400, f"?{name}= should be 1, true, 0 or false, got {value!r}")
+    return value in ("1", "true")
+
+
 def _routes(
     worker: RoundDriver, model: torch.nn.Module, config: WeightTransferConfig
 ) -> web.RouteTableDef:
@@ -219,7 +233,17 @@ def _routes(
 
     @routes.get("/weights_status")
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(await weights_status(worker, model, config.backend))
+        checksum = _flag(request, "checksum")
+        return web.json_response(
+            await weights_status(worker, model, config.backend, checksum=checksum)
+        )
+
+    @routes.get("/metrics")
+    async def metrics(request: web.Request) -> web.Response:
+        if worker.metrics is None:  # a driver built without metrics
+            raise web.HTTPNotFound()
+        body = worker.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     return routes
 
@@ -258,10 +282,6 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         # Anything else is a bug: answered the same way, with the traceback in the log.
         logger.exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-
-
-API_KEY_ENV = "ASYNCWT_API_KEY"
-"""The environment variable `asyncwt worker` reads its API key from (as `--api-key`)."""
 
 
 def _auth_middleware(
@@ -365,7 +385,7 @@ def build_app(
     def create() -> Engine:
         return create_worker_engine(config, model=model, device=device)
 
-    worker = RoundDriver(create(), create=create)
+    worker = RoundDriver(create(), create=create, metrics=WorkerMetrics())
     middlewares: list[Any] = [track_requests, return_memory, _json_errors]
     if key is not None:
         middlewares.append(_auth_middleware(key))

@@ -159,7 +159,7 @@ def caller_fence(figures: Figures) -> None:
                     stats = await engine.send_weights(weight_version="updated")
                 train.synchronize()
                 figures["async_round_s"] = round(stats.wall_s, 3)
-                (status,) = await client.weights_status()
+                (status,) = await client.weights_status(checksum=True)
                 judge("the async engine", status, old, model_checksum(model))
 
     def sync_facade(url: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shlex
 import sys
 import time
@@ -12,6 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..._core.logs import add_log_level_option, configure_logging
 from .._procs import BenchChildError
 from .._util import Rounds
 from .hosts import ClusterError, ClusterUnsupportedError, check_support
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="measure nothing: print a saved cluster.json's table and redraw its chart",
     )
+    add_log_level_option(parser)
     return parser
 
 
@@ -181,7 +182,10 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(args.log_level)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from .report import format_table, write_chart, write_json, write_table
     from .run import ClusterSettings, derive, run_cluster

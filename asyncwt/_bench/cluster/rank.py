@@ -179,7 +179,7 @@ async def _run_job(
                     )
                     if rank != 0:
                         continue
-                    statuses = await client.weights_status()
+                    statuses = await client.weights_status(checksum=True)
                     want = expected[1 if flipped else 0]
                     exact = all(
                         s.get("weight_version") == version

@@ -15,7 +15,7 @@ from ..._core.bytes import byte_view
 from ..._core.errors import ControlPlaneError, TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.source import WeightSource
-from ..._core.stats import RoundStats
+from ..._core.stats import Progress, RoundStats
 from ..._delta.links import DeltaLinks
 from ..._trainer.engine import PipelinedTrainerEngine, bounded_call
 from ..._trainer.lanes import LaneEvent
@@ -121,6 +121,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         weight_version: str | None = None,
         after: LaneEvent | None = None,
         join: bool = True,
+        progress: Progress | None = None,
     ) -> RoundStats:
         """See `PipelinedTrainerEngine.send_weights`. With `on_worker_failure="drop"`,
         a round that fails with workers gone (their connection closed or broken, or,
@@ -129,7 +130,9 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         bounded by the usual timeouts; with nobody gone the round's error is raised."""
         fleet = self._fleet()
         if fleet is None or self.info.on_worker_failure != "drop":
-            return await super().send_weights(weight_version=weight_version, after=after, join=join)
+            return await super().send_weights(
+                weight_version=weight_version, after=after, progress=progress, join=join
+            )
         transport, members = fleet
         fence = after if after is not None else self.fence()
         dropped: list[str] = []
@@ -137,7 +140,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         while True:
             try:
                 stats = await super().send_weights(
-                    weight_version=weight_version, after=fence, join=join
+                    weight_version=weight_version, after=fence, progress=progress, join=join
                 )
             except (TransferError, ControlPlaneError) as exc:
                 lost = await transport.find_lost(min(1.0, self.info.ready_timeout))
