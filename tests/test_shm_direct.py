@@ -545,7 +545,8 @@ async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
                         model_checksum(_models.scaled(model, k)): f"{k}x" for k in (1, 2, 4, 8)
                     }
                     held = [
-                        multiples.get(s["checksum"], "?") for s in await client.weights_status(checksum=True)
+                        multiples.get(s["checksum"], "?")
+                        for s in await client.weights_status(checksum=True)
                     ]
                     assert held == ["2x"] * 3, f"round {r}: the workers hold {held}"
                     await assert_worker_has(client, _models.scaled(model, 2), f"v{r}")
