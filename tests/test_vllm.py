@@ -48,6 +48,8 @@ from asyncwt import (
 
 TESTS = Path(__file__).resolve().parent
 MAX_TOKENS = 12
+MAX_MODEL_LEN = 512
+STREAM_TOKENS = 300
 SERVER_START_TIMEOUT_S = 240.0
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -162,7 +164,7 @@ def vllm_server(model_dir: Path, vllm_tmp: Path) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": "asyncwt_tcp"}),
     ]  # fmt: skip
     with open(log, "wb") as out:
@@ -405,3 +407,151 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
             await engine.shutdown()
             await client.shutdown()
             await client.close()
+
+
+async def stream_tokens(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    started: Any,
+    after: int = 16,
+) -> list[int]:
+    """A streamed greedy completion's token ids; `started` (an event) is set once
+    `after` tokens arrived. On a session of its own: a connection that carried a
+    stream is not reused."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    tokens: list[int] = []
+    finish = None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            (choice,) = json.loads(line[len("data:") :])["choices"]
+            tokens.extend(choice.get("token_ids") or [])
+            finish = choice.get("finish_reason") or finish
+            if len(tokens) >= after:
+                started.set()
+    assert finish == "length", finish
+    return tokens
+
+
+async def push_model(client: HttpClient, model: Any, version: str) -> Any:
+    """One round of `model`'s weights through a fresh engine; its stats."""
+    engine = await trainer_init(
+        TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(model)
+    )
+    async with engine:
+        return await engine.send_weights(weight_version=version)
+
+
+def old_then_new(tokens: list[int], prompt: list[int], old: Any, new: Any) -> int:
+    """Where `tokens` (a greedy stream across a round) switch from `old`'s greedy
+    continuation of `prompt` to `new`'s continuation of what came before; asserts
+    there is such a point and returns it."""
+    reference = _vllm_model.greedy_tokens_cached(old, prompt, len(tokens))
+    diverge = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    assert diverge is not None, "the stream ended before the round landed"
+    for switch in range(diverge, max(diverge - 4, 0), -1):  # the first new tokens may agree
+        rest = _vllm_model.greedy_tokens_cached(new, prompt + tokens[:switch], len(tokens) - switch)
+        if rest == tokens[switch:]:
+            return switch
+    raise AssertionError(f"tokens from {diverge} on are not the new weights' continuation")
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_push_while_a_completion_streams_leaves_vllm_serving_the_new_weights(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    """Default settings (no pause): the round reloads the model inside one engine call,
+    so the model step of a concurrent stream never meets a half-loaded layer."""
+    import asyncio
+
+    vocab = original.config.vocab_size
+    before, after = _vllm_model.build_model(vocab, seed=11), _vllm_model.build_model(vocab, seed=12)
+    async with aiohttp.ClientSession() as session, HttpClient(vllm_server) as client:
+        await push_model(client, before, "stream-before")
+        started = asyncio.Event()
+        stream = asyncio.create_task(stream_tokens(vllm_server, prompts[0], STREAM_TOKENS, started))
+        await asyncio.wait_for(started.wait(), 120)
+        await push_model(client, after, "stream-after")
+        tokens = await asyncio.wait_for(stream, 120)
+        assert len(tokens) == STREAM_TOKENS
+        assert tokens[:16] == _vllm_model.greedy_tokens(before, prompts[0], 16)
+        assert await served_tokens(session, vllm_server, prompts) == expected_tokens(after, prompts)
+        assert await served_version(session, vllm_server) == "stream-after"
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_a_prompt_longer_than_a_kv_block_after_a_push_is_served_by_the_new_weights(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    """vLLM's prefix cache holds the blocks of a prompt computed before the round; the
+    plugin resets it when the round finishes (a CPU KV block is 128 tokens)."""
+    vocab = original.config.vocab_size
+    long_prompt = [(7 * i + 3) % vocab for i in range(300)]
+    first, second = _vllm_model.build_model(vocab, seed=13), _vllm_model.build_model(vocab, seed=14)
+    async with aiohttp.ClientSession() as session, HttpClient(vllm_server) as client:
+        await push_model(client, first, "long-1")
+        assert await served_tokens(session, vllm_server, [long_prompt]) == expected_tokens(
+            first, [long_prompt]
+        )
+        await push_model(client, second, "long-2")
+        assert await served_tokens(session, vllm_server, [long_prompt]) == expected_tokens(
+            second, [long_prompt]
+        )
+
+
+async def is_paused(session: aiohttp.ClientSession, url: str) -> bool:
+    async with session.get(url + "/is_paused") as response:
+        assert response.status == 200, await response.text()
+        return bool((await response.json())["is_paused"])
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_keep_pause_lets_a_stream_continue_on_the_new_weights_and_failure_resumes(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    import asyncio
+
+    vocab = original.config.vocab_size
+    before, after = _vllm_model.build_model(vocab, seed=15), _vllm_model.build_model(vocab, seed=16)
+    async with aiohttp.ClientSession() as session, HttpClient(vllm_server, pause="keep") as client:
+        await push_model(client, before, "keep-before")
+        assert not await is_paused(session, vllm_server)
+        started = asyncio.Event()
+        stream = asyncio.create_task(stream_tokens(vllm_server, prompts[1], STREAM_TOKENS, started))
+        await asyncio.wait_for(started.wait(), 120)
+        stats = await push_model(client, after, "keep-after")
+        assert stats.paused_s is not None and 0 < stats.paused_s <= stats.wall_s
+        tokens = await asyncio.wait_for(stream, 120)
+        assert len(tokens) == STREAM_TOKENS
+        switch = old_then_new(tokens, prompts[1], before, after)
+        print(f"keep pause: {stats.paused_s * 1e3:.1f} ms paused; new weights from token {switch}")
+        assert not await is_paused(session, vllm_server)
+
+        bad = InsertedSource(
+            after, "model.layers.0.self_attn.q_proj.weight", ("bogus", torch.ones(4))
+        )
+        engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=bad)
+        async with engine:
+            with pytest.raises(ControlPlaneError, match=r"/update_weights .* HTTP 500"):
+                await engine.send_weights(weight_version="keep-bad")
+        assert not await is_paused(session, vllm_server)
+        await push_model(client, after, "keep-again")
+        assert await served_tokens(session, vllm_server, prompts) == expected_tokens(after, prompts)
+

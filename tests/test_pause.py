@@ -1,0 +1,120 @@
+"""`HttpClient(pause=...)`: generation is paused around each round and always resumed.
+
+A stub of vLLM's routes records what the client asks; the real server is in
+test_vllm.py (`pytest -m vllm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from asyncwt import ControlPlaneError, HttpClient
+from asyncwt._trainer.engine import round_failed
+
+
+class VllmStub:
+    """vLLM's pause and weight-update routes; `update_weights` fails when told to."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail_update = False
+        self.paused = False
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls.append(request.path_qs)
+        if request.path == "/pause":
+            self.paused = True
+        elif request.path == "/resume":
+            self.paused = False
+        elif request.path == "/update_weights" and self.fail_update:
+            return web.json_response({"error": "boom"}, status=500)
+        return web.json_response({})
+
+
+@pytest_asyncio.fixture
+async def stub() -> AsyncIterator[tuple[VllmStub, str]]:
+    server = VllmStub()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_pause_should_be_a_vllm_mode() -> None:
+    with pytest.raises(ValueError, match=r"pause should be None or one of .*got 'later'"):
+        HttpClient("http://127.0.0.1:1", pause="later")  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+async def test_a_round_is_bracketed_by_pause_and_resume(
+    stub: tuple[VllmStub, str], mode: Any
+) -> None:
+    server, url = stub
+    async with HttpClient(url, pause=mode) as client:
+        await client.start_weight_update()
+        assert server.paused
+        await client.update_weights({})
+        await client.finish_weight_update("v1")
+        assert server.calls == [
+            f"/pause?mode={mode}&clear_cache=true",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+        assert not server.paused
+        assert client.paused_s is not None and client.paused_s > 0
+
+
+@pytest.mark.asyncio
+async def test_a_failed_round_resumes_generation(stub: tuple[VllmStub, str]) -> None:
+    server, url = stub
+    server.fail_update = True
+    async with HttpClient(url, pause="keep") as client:
+        await client.start_weight_update()
+        with pytest.raises(ControlPlaneError, match=r"/update_weights .* HTTP 500: boom"):
+            await client.update_weights({})
+        assert not server.paused
+        await round_failed(client, timeout=10)  # the engine's call after any failure: no-op now
+        assert server.calls.count("/resume") == 1
+
+
+@pytest.mark.asyncio
+async def test_round_failed_resumes_a_round_that_failed_elsewhere(
+    stub: tuple[VllmStub, str],
+) -> None:
+    """The round may fail on the trainer's side after `update_weights` returned: the
+    engine's `round_failed` call resumes generation then."""
+    server, url = stub
+    async with HttpClient(url, pause="keep") as client:
+        await client.start_weight_update()
+        await client.update_weights({})
+        assert server.paused
+        await round_failed(client, timeout=10)
+        assert not server.paused
+        assert "/finish_weight_update" not in server.calls
+
+
+@pytest.mark.asyncio
+async def test_without_pause_nothing_is_paused(stub: tuple[VllmStub, str]) -> None:
+    server, url = stub
+    async with HttpClient(url) as client:
+        await client.start_weight_update()
+        await client.update_weights({})
+        await client.finish_weight_update("v1")
+        await round_failed(client, timeout=10)
+    assert server.calls == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert client.paused_s is None
