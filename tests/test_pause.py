@@ -1,4 +1,5 @@
-"""`HttpClient(pause=...)`: generation is paused around each round and always resumed.
+"""`HttpClient` with vLLM: generation paused around each round (`pause=...`) and always
+resumed; a server whose engine died fails the round at once.
 
 A stub of vLLM's routes records what the client asks; the real server is in
 test_vllm.py (`pytest -m vllm`).
@@ -6,6 +7,7 @@ test_vllm.py (`pytest -m vllm`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +26,8 @@ class VllmStub:
         self.calls: list[str] = []
         self.fail_update = False
         self.paused = False
+        self.update_s = 0.0
+        self.health = 200
 
     async def handle(self, request: web.Request) -> web.Response:
         self.calls.append(request.path_qs)
@@ -33,6 +37,10 @@ class VllmStub:
             self.paused = False
         elif request.path == "/update_weights" and self.fail_update:
             return web.json_response({"error": "boom"}, status=500)
+        elif request.path == "/update_weights":
+            await asyncio.sleep(self.update_s)
+        elif request.path == "/health":
+            return web.Response(status=self.health)
         return web.json_response({})
 
 
@@ -41,7 +49,7 @@ async def stub() -> AsyncIterator[tuple[VllmStub, str]]:
     server = VllmStub()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", server.handle)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # a hung update is cut short
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -118,3 +126,28 @@ async def test_without_pause_nothing_is_paused(stub: tuple[VllmStub, str]) -> No
         await round_failed(client, timeout=10)
     assert server.calls == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
     assert client.paused_s is None
+
+
+@pytest.mark.asyncio
+async def test_update_weights_fails_once_the_server_says_its_engine_died(
+    stub: tuple[VllmStub, str],
+) -> None:
+    """vLLM keeps its HTTP server up when its engine core dies, and the update in
+    flight never answers; `/health` answers 503. Before the watch, the round waited
+    for the client's whole timeout."""
+    server, url = stub
+    server.update_s, server.health = 3600.0, 503
+    async with HttpClient(url, timeout=600) as client:
+        with pytest.raises(
+            ControlPlaneError, match=r"/update_weights to .* GET /health answered 503"
+        ):
+            await client.update_weights({})
+
+
+@pytest.mark.asyncio
+async def test_a_server_without_health_route_is_not_watched(stub: tuple[VllmStub, str]) -> None:
+    server, url = stub
+    server.update_s, server.health = 2.5, 404  # outlasts the first health poll
+    async with HttpClient(url) as client:
+        await client.update_weights({})
+    assert server.calls.count("/health") == 1

@@ -9,9 +9,10 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+import anyio
 from typing_extensions import Self
 
-from .._core.concurrency import fan_out
+from .._core.concurrency import fan_out, single_error
 from .._core.errors import ControlPlaneError
 from .._core.validate import check_timeout
 from .pause import PauseMode, RoundPause
@@ -20,6 +21,8 @@ from .protocol import WeightTransferUpdatePayload
 __all__ = ["HttpClient"]
 
 _MAX_ERROR_CHARS = 500
+_HEALTH_EVERY_S = 2.0
+"""While `update_weights` waits, each server's `GET /health` is asked this often."""
 _KEEPALIVE_S = 2.0
 """Idle connections are dropped after this long, before the server drops them: vLLM's
 server (uvicorn) closes idle connections after 5 s, and a request sent on a connection
@@ -166,14 +169,65 @@ class HttpClient:
     async def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         """POST `/update_weights` to every worker; returns when all received the round.
 
+        While it waits, each server's `GET /health` is asked every 2 s: a 500 or 503
+        (vLLM's answer once its engine died) or a refused connection fails the call with
+        `ControlPlaneError` at once, instead of after `timeout`.
+
         Cancellation: the requests are abandoned; each worker keeps receiving until
         its transport finishes or aborts, so the sender must abort the round.
         """
         try:
-            await self._post_all("/update_weights", {"update_info": update_info})
+            await fan_out(
+                [
+                    functools.partial(self._update_watched, url, update_info)
+                    for url in self.base_urls
+                ]
+            )
         except BaseException:
             await self._pause.end_quietly()
             raise
+
+    async def _update_watched(
+        self, base_url: str, update_info: WeightTransferUpdatePayload
+    ) -> None:
+        """`POST /update_weights` to one server, failed as soon as its `/health` says it died.
+
+        A vLLM server whose engine core died keeps its HTTP server up, and the call in
+        flight never answers: without this the round would wait for `timeout`.
+        """
+        with single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_health, base_url)
+                await self._request(
+                    "POST", base_url, "/update_weights", {"update_info": update_info}
+                )
+                group.cancel_scope.cancel()
+
+    async def _watch_health(self, base_url: str) -> None:
+        """Raise `ControlPlaneError` once `base_url` answers `GET /health` with 500 or 503
+        (vLLM's answer once its engine died) or refuses connections; return if it has
+        no health route (an `asyncwt worker`)."""
+        while True:
+            await anyio.sleep(_HEALTH_EVERY_S)
+            try:
+                async with self._get_session().get(
+                    base_url + "/health", timeout=aiohttp.ClientTimeout(total=_HEALTH_EVERY_S)
+                ) as response:
+                    status = response.status
+            except asyncio.TimeoutError:
+                continue  # busy, not dead: the call itself is bounded by `timeout`
+            except aiohttp.ClientError as exc:
+                raise ControlPlaneError(
+                    f"POST /update_weights to {base_url} failed: the server stopped answering "
+                    f"GET /health during the round ({type(exc).__name__}: {exc})"
+                ) from exc
+            if status in (500, 503):
+                raise ControlPlaneError(
+                    f"POST /update_weights to {base_url} failed: GET /health answered "
+                    f"{status} during the round (vLLM answers 503 once its engine died)"
+                )
+            if status // 100 != 2:
+                return
 
     async def finish_weight_update(
         self,
