@@ -16,7 +16,7 @@ HIDDEN = 64
 LAYERS = 2
 HEADS = 2  # head size HIDDEN // HEADS = 32
 INTERMEDIATE = 128
-MAX_POSITIONS = 256
+MAX_POSITIONS = 512
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -112,3 +112,17 @@ def model_from_env() -> Any:
     import os
 
     return build_model(int(os.environ["ASYNCWT_TEST_VOCAB"]), seed=0)
+
+
+@torch.no_grad()
+def greedy_tokens_cached(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """`greedy_tokens` with a KV cache: for long continuations (hundreds of tokens)."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(max_tokens):
+        token = int(torch.argmax(out.logits[0, -1]))
+        tokens.append(token)
+        out = model(
+            input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+        )
+    return tokens

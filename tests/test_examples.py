@@ -43,6 +43,7 @@ def test_every_example_starts_with_a_docstring_and_is_tested() -> None:
         "fsdp_trainer.py",
         "quickstart.py",
         "ray_rl_loop.py",
+        "grpo_vllm.py",  # needs vLLM: test_vllm.py runs it against a real server
     }
     helpers = {"_bandit.py", "rollout_worker.py"}  # run by the examples above
     assert set(scripts) == tested | helpers, "a new example needs a test here"

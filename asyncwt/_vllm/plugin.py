@@ -16,6 +16,11 @@ workers are spawned, so registering in the driver alone would not reach them):
 - to `WeightTransferTrainerFactory`, the same name: a blocking adapter over asyncwt's
   trainer engine (see `asyncwt._vllm.trainer`).
 
+It also makes what vLLM serves after a round the round's weights only
+(`reset_caches_after_rounds`): once every worker finished a round, vLLM's engine core
+resets its prefix cache, and requests in flight are preempted and recomputed on the
+new weights; the user calls nothing else.
+
 Nothing here runs when asyncwt is imported: vLLM is imported by `register()` only.
 """
 
@@ -24,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["register", "register_backend"]
+__all__ = ["register", "register_backend", "reset_caches_after_rounds"]
 
 logger = logging.getLogger("asyncwt")
 
@@ -83,4 +88,54 @@ def register() -> None:
         cls = _registry._WORKER_ENGINES[backend]
         if issubclass(cls, DeferredWorkerEngine) and backend in _registry._TRAINER_ENGINES:
             names.append(register_backend(backend))
+    reset_caches_after_rounds()
     logger.debug("asyncwt registered its vLLM weight-transfer backends: %s", ", ".join(names))
+
+
+def reset_caches_after_rounds() -> None:
+    """Make vLLM's engine core reset its prefix cache after each finished round.
+
+    vLLM's prefix cache keeps the KV blocks of earlier prompts, computed with the
+    weights of their time, and reuses them for any later prompt that starts alike (RL
+    prompts share long system prompts): without a reset, a prompt of more than one KV
+    block generated after a round matches neither the old weights nor the new. The
+    engine core runs `finish_weight_update` on the workers through `collective_rpc`;
+    this wraps that method so that, in the same engine call (no model step between),
+    it then calls `reset_prefix_cache(reset_running_requests=True)`: the cache is
+    emptied and running requests are preempted, to be recomputed on the new weights
+    (vLLM's own `pause(clear_cache=True)` does the same). Only engines whose
+    weight-transfer backend is asyncwt's are affected. Idempotent.
+    """
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError as exc:  # pragma: no cover - a vLLM without the v1 engine core
+        logger.warning("cannot reset vLLM's prefix cache after rounds: %r", exc)
+        return
+    original = EngineCore.collective_rpc
+    if getattr(original, "_asyncwt_resets_caches", False):
+        return
+
+    def collective_rpc(
+        self: Any,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = original(self, method, timeout, args, kwargs)
+        if method == "finish_weight_update" and _uses_asyncwt(self):
+            self.reset_prefix_cache(reset_running_requests=True)
+        return result
+
+    collective_rpc._asyncwt_resets_caches = True  # type: ignore[attr-defined]
+    collective_rpc.__doc__ = original.__doc__
+    EngineCore.collective_rpc = collective_rpc
+
+
+def _uses_asyncwt(engine_core: Any) -> bool:
+    """Whether `engine_core`'s weight-transfer backend is one of asyncwt's."""
+    from .worker import VLLM_BACKEND_PREFIX
+
+    config = getattr(getattr(engine_core, "vllm_config", None), "weight_transfer_config", None)
+    backend = getattr(config, "backend", None)
+    return isinstance(backend, str) and backend.startswith(VLLM_BACKEND_PREFIX)

@@ -7,17 +7,25 @@ in as a base and adds vLLM's round lifecycle. Receiving is the backend's, unchan
 
 What a round does inside vLLM, on each worker:
 
-- `start_weight_update`: `initialize_layerwise_reload(model)`. vLLM has processed the
-  loaded weights (on the CPU it repacks linear weights and leaves parameters of shape
-  `(0,)`), so checkpoint-format weights can only be loaded through this lifecycle.
-- `update_weights`: the backend receives every bucket; the applier hands each
-  parameter to `model.load_weights` on its thread, overlapped with the receive, and
-  `update_weights` returns once all of them are loaded. Each tensor is copied out of
-  the receive buffer first: the layerwise loader keeps the tensors it is given
-  until the layer is complete, while asyncwt reuses its receive buffers.
-- `finish_weight_update`: `finalize_layerwise_reload(model, model_config)` (it
-  processes the layers and copies the results into the tensors vLLM serves from),
-  then the round is published as asyncwt's engine publishes it.
+- `start_weight_update`: nothing in the model changes (an abandoned round is drained).
+- `update_weights`: `initialize_layerwise_reload(model)`, then the backend receives
+  every bucket; the applier hands each parameter to `model.load_weights` on its
+  thread, overlapped with the receive; then `finalize_layerwise_reload(model,
+  model_config)` processes the layers and copies the results into the tensors vLLM
+  serves from. vLLM has processed the loaded weights (on the CPU it repacks linear
+  weights and leaves parameters of shape `(0,)`), so checkpoint-format weights can
+  only be loaded through this lifecycle. Each tensor is copied out of the receive
+  buffer first: the layerwise loader keeps the tensors it is given until the layer is
+  complete, while asyncwt reuses its receive buffers.
+- `finish_weight_update`: the round is published as asyncwt's engine publishes it.
+  The plugin then resets vLLM's prefix cache (see `asyncwt._vllm.plugin`).
+
+The whole reload runs inside `update_weights`, one call of vLLM's engine core: its
+scheduler runs no model step during an engine call, so a step never meets a layer
+being reloaded (vLLM's layerwise reload leaves meta tensors behind until a layer is
+complete), whatever requests are in flight. Between `start_weight_update` and
+`update_weights`, and after it, steps run on whole weights: the old ones, then the
+new ones.
 
 vLLM passes no `weight_version` to the engine (its engine core records the version
 after the workers finished), so `weight_version` on these engines stays `None`;
@@ -105,25 +113,27 @@ class VllmRoundMixin(DeferredWorkerEngine):
         self._apply_failure: BaseException | None = None
 
     def start_weight_update(self) -> None:
-        """Begin a round: drain an abandoned one, then start vLLM's layerwise reload."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        """Begin a round: drain an abandoned one. The model is not touched yet."""
         super().start_weight_update()
         self._end_layerwise(failed=True)
         self._apply_failure = None
-        initialize_layerwise_reload(self.model)
-        self._layerwise = True
 
     def receive_weights(self, update_info: RoundUpdateInfo) -> None:
-        """Receive the round and load every parameter before returning.
+        """Reload the model in place: start vLLM's layerwise reload, receive and load
+        every parameter, finalize, all before returning.
 
         Loading ends inside this call because vLLM sets its current config (which
-        weight loaders may read) only for the duration of each engine call. On any
+        weight loaders may read) only for the duration of each engine call, and its
+        engine core runs no model step during one (see the module docstring). On any
         error the layerwise reload is finalized at once, so the model vLLM serves is
         never left with unloaded layers: each layer then holds either this round's
         weights (all of them arrived) or the previous ones (see `_end_layerwise`), and
         the round cannot be finished.
         """
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._layerwise = True
         try:
             super().receive_weights(update_info)
         except BaseException:
@@ -135,19 +145,18 @@ class VllmRoundMixin(DeferredWorkerEngine):
             self._apply_failure = exc
             self._end_layerwise(failed=True)
             raise
+        self._end_layerwise()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Finalize vLLM's layerwise reload, then publish the round (see the base class).
+        """Publish the round (see the base class); its weights are loaded already.
 
         Raises `TransferError` when this round's loading failed; the weights are then
         incomplete (`weights_incomplete` stays true) and no version is published.
         """
         try:
             self.drain_pending()
-        except BaseException:
-            self._end_layerwise(failed=True)
-            raise
-        self._end_layerwise()
+        finally:
+            self._end_layerwise(failed=True)  # a no-op unless a receive was cut short
         failure, self._apply_failure = self._apply_failure, None
         if failure is not None:
             raise TransferError(f"the round did not complete: {failure}") from failure
