@@ -1,4 +1,12 @@
-"""Shared test configuration: every asyncio test runs on the default loop and on uvloop."""
+"""Shared test configuration.
+
+Every asyncio test runs on the default loop and on uvloop. Tests are in two tiers:
+`slow` ones start processes (worker children, forkers, Ray, vLLM), need root or soak;
+the rest, `python -m pytest -q -m "not slow"`, is the fast tier run after each change.
+A test joins the slow tier by its mark, by a `cuda`/`ray`/`vllm` mark, or by using a fixture
+in SPAWNING_FIXTURES; a fast test that starts a process fails (tests/_spawns.py), so
+a new test cannot slip a process into the fast tier.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import _spawns
 import pytest
 
 try:
@@ -23,13 +32,56 @@ def pytest_asyncio_loop_factories(
     return factories
 
 
+SLOW_MARKS = ("cuda", "ray", "vllm")
+"""Marks whose tests are slow without saying so: Ray and vLLM start processes, and the
+cuda tests (skipped here, so the spy cannot sort them) run on the GPU machine only."""
+SPAWNING_FIXTURES: frozenset[str] = frozenset()
+"""Fixtures that start processes: every test using one is slow."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _spawns.install()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` need a GPU: they run on the lent GPU machine, not in CI."""
+    """Mark the slow tier; tests marked `cuda` need a GPU: they run on the GPU machine."""
     import torch
 
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if any(mark in item.keywords for mark in SLOW_MARKS) or uses & SPAWNING_FIXTURES:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _watched(item: pytest.Item) -> Any:
+    """Run one phase of `item`, refusing spawns unless it is slow (see tests/_spawns.py)."""
+    _spawns.watch(None if item.get_closest_marker("slow") else item.nodeid)
+    try:
+        result = yield
+    finally:
+        refused = list(_spawns.spawned)
+        _spawns.watch(None)
+    if refused:  # the phase passed: a thread swallowed the refusal
+        pytest.fail(f"{item.nodeid} started processes but is not marked slow: {refused}")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Any:
+    return (yield from _watched(item))

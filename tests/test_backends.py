@@ -91,6 +91,7 @@ async def push_rounds(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "packed"])
+@pytest.mark.slow
 async def test_mixed_dtypes_arrive_bit_exact_every_round(
     mixed_worker: str, info: Callable[..., TrainerInitInfo], zero_copy: bool
 ) -> None:
@@ -103,6 +104,7 @@ async def test_mixed_dtypes_arrive_bit_exact_every_round(
 
 @uvloop_only
 @pytest.mark.parametrize("elementwise", [False, True], ids=["whole-tensors", "elementwise"])
+@pytest.mark.slow
 async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool) -> None:
     """With a transform every parameter goes through the applier (and chunk reassembly,
     or, elementwise, chunks landing and in-place transforms; 0-d and empty ones too)."""
@@ -126,6 +128,7 @@ async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool
                   ("--transform", "_models:identity_transform", "--transform-elementwise")],
     ids=["in-place", "through-buffers", "elementwise"],
 )  # fmt: skip
+@pytest.mark.slow
 async def test_slices_of_a_mib_and_more_among_small_ones(
     backend: str, transform: tuple[str, ...]
 ) -> None:
@@ -148,6 +151,7 @@ async def test_slices_of_a_mib_and_more_among_small_ones(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_five_thousand_tiny_tensors(backend: str) -> None:
     with worker_process("_models:many_tiny", "--backend", backend, env=worker_env()) as url:
         async with HttpClient(url) as client:
@@ -163,6 +167,7 @@ async def test_five_thousand_tiny_tensors(backend: str) -> None:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_two_workers_receive_every_round(
     backend: str, mixed_worker: str, second_mixed_worker: str
 ) -> None:
@@ -170,6 +175,7 @@ async def test_two_workers_receive_every_round(
         await push_rounds(client, _models.mixed(), rounds=2, info=info_for(backend, workers=2))
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_push_an_fsdp2_model(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,6 +229,7 @@ class FirstYieldSource(ModuleSource):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_the_first_tensors_are_gathered_while_the_round_opens(
     mixed_worker: str, backend: str
 ) -> None:
@@ -257,6 +264,7 @@ class YieldTimesSource(ModuleSource):
 
 @uvloop_only
 @pytest.mark.parametrize("read_ahead", [1, 3])
+@pytest.mark.slow
 async def test_the_source_runs_read_ahead_buckets_ahead_while_the_round_opens(
     mixed_worker: str, backend: str, read_ahead: int
 ) -> None:
@@ -293,6 +301,7 @@ class SliceRecordingSource(ModuleSource):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
     mixed_worker: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -378,6 +387,7 @@ async def _fails_then_the_next_round_arrives(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_failed_start_stops_the_gather_and_the_next_round_arrives(
     mixed_worker: str, backend: str
 ) -> None:
@@ -426,6 +436,7 @@ class FailsOnceSource(ModuleSource):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_source_error_while_waiting_for_ready_aborts_and_the_next_round_arrives(
     mixed_worker: str, backend: str
 ) -> None:
@@ -457,6 +468,7 @@ class RecordingClient(HttpClient):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_update_returns_before_slow_transform_and_finish_waits(
     backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
 ) -> None:
@@ -475,6 +487,7 @@ async def test_update_returns_before_slow_transform_and_finish_waits(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_failing_transform_surfaces_at_finish_and_version_stays(
     backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
 ) -> None:
@@ -508,6 +521,7 @@ async def test_failing_transform_surfaces_at_finish_and_version_stays(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_plan_digest_mismatch_fails_before_any_data_moves(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:
@@ -531,6 +545,7 @@ async def test_plan_digest_mismatch_fails_before_any_data_moves(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_worker_model_that_lacks_a_parameter_fails_init(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:
@@ -571,6 +586,7 @@ FAULTS = [
 
 @uvloop_only
 @pytest.mark.parametrize(("fault", "message"), FAULTS)
+@pytest.mark.slow
 async def test_source_that_breaks_the_plan_fails_the_round_then_recovers(
     mixed_worker: str, info: Callable[..., TrainerInitInfo], fault: Callable[..., Any], message: str
 ) -> None:
@@ -600,6 +616,7 @@ class TamperingClient(HttpClient):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_worker_with_the_wrong_token_is_refused(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:

@@ -116,6 +116,7 @@ CUT_OFFSETS = 30
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_data_connection_cut_at_random_offsets_fails_cleanly_and_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -169,6 +170,7 @@ CANCEL_POINTS = 20
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_send_weights_cancelled_at_random_points_leaves_nothing_behind(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -217,6 +219,7 @@ async def wait_for_round_to_begin(client: HttpClient, timeout: float = 15) -> No
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -265,6 +268,7 @@ async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recov
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_killed_trainer_leaves_the_worker_incomplete_and_a_new_trainer_recovers_it(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -307,6 +311,7 @@ async def test_killed_trainer_leaves_the_worker_incomplete_and_a_new_trainer_rec
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -361,6 +366,7 @@ async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
 
 @uvloop_only
 @pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+@pytest.mark.slow
 async def test_stuck_apply_fails_finish_after_drain_timeout_naming_the_bucket(
     tmp_path: Path, staged: bool
 ) -> None:
@@ -466,6 +472,7 @@ async def test_a_sync_client_wedged_after_an_abort_is_abandoned_after_rpc_timeou
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_staged_worker_keeps_its_previous_weights_when_the_connection_is_cut() -> None:
     rng = random.Random(SEED + 2)
     with worker_process("_models:mixed", "--staged", env=worker_env()) as url:

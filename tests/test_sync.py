@@ -47,6 +47,7 @@ class _StatusReader:
         return anyio.run(read)
 
 
+@pytest.mark.slow
 def test_plain_loop_pushes_bit_exact_rounds(worker_url: str) -> None:
     model = _models.mixed()
     status = _StatusReader(worker_url)
@@ -65,6 +66,7 @@ def test_plain_loop_pushes_bit_exact_rounds(worker_url: str) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_refuses_to_run_inside_an_event_loop(worker_url: str) -> None:
     with pytest.raises(
         RuntimeError,
@@ -106,6 +108,7 @@ def default_sigint() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("default_sigint")
+@pytest.mark.slow
 def test_ctrl_c_cancels_the_round_and_the_next_one_works(worker_url: str) -> None:
     model = _models.mixed()
     source = _InterruptingSource(model, after=3)
