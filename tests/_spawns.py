@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.subprocess
+import contextlib
 import ctypes.util
 import functools
 import multiprocessing.process
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +38,8 @@ def _describe(name: str, args: tuple[Any, ...]) -> str:
     return f"{name}({first})"
 
 
+_fixtures: list[str] = []
+"""The fixtures being set up, innermost last (`file::name`)."""
 _exempt: list[str] = []
 """Non-empty while a once-per-interpreter helper (see the module docstring) runs."""
 
@@ -46,12 +49,13 @@ def _refuse(name: str, args: tuple[Any, ...]) -> None:
         return
     what = _describe(name, args)
     spawned.append(what)
-    pytest.fail(
-        f"{_current[0]} started a process ({what}) but is not marked slow: add "
-        f"@pytest.mark.slow (or a module-level `pytestmark = pytest.mark.slow`), or list "
-        f"the fixture that starts it in SPAWNING_FIXTURES in tests/conftest.py",
-        pytrace=True,
-    )
+    if _fixtures:
+        how = f"its fixture {_fixtures[-1]} started a process ({what}): add that fixture"
+        how += " to SPAWNING_FIXTURES in tests/conftest.py"
+    else:
+        how = f"it started a process ({what}): mark it @pytest.mark.slow"
+        how += " (a whole file: `pytestmark = pytest.mark.slow`)"
+    pytest.fail(f"{_current[0]} is in the fast tier (not marked slow) but {how}")
 
 
 def _wrap(owner: Any, attr: str, name: str) -> None:
@@ -92,6 +96,16 @@ def install() -> None:
     for module in (asyncio, asyncio.subprocess):
         for attr in ("create_subprocess_exec", "create_subprocess_shell"):
             _wrap(module, attr, f"asyncio.{attr}")
+
+
+@contextlib.contextmanager
+def in_fixture(name: str) -> Iterator[None]:
+    """While `name` sets up, a refused spawn names it."""
+    _fixtures.append(name)
+    try:
+        yield
+    finally:
+        _fixtures.pop()
 
 
 def watch(nodeid: str | None) -> None:

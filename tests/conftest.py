@@ -35,8 +35,39 @@ def pytest_asyncio_loop_factories(
 SLOW_MARKS = ("cuda", "ray", "vllm")
 """Marks whose tests are slow without saying so: Ray and vLLM start processes, and the
 cuda tests (skipped here, so the spy cannot sort them) run on the GPU machine only."""
-SPAWNING_FIXTURES: frozenset[str] = frozenset()
-"""Fixtures that start processes: every test using one is slow."""
+SPAWNING_FIXTURES = frozenset(
+    {
+        "tests/test_backends.py::mixed_worker",
+        "tests/test_backends.py::second_mixed_worker",
+        "tests/test_bench.py::tiny_run",
+        "tests/test_chain.py::pool",
+        "tests/test_chain_trust.py::pool",
+        "tests/test_delta.py::workers",
+        "tests/test_delta_shm.py::workers",
+        "tests/test_faults.py::worker",
+        "tests/test_ray.py::two_workers",
+        "tests/test_server.py::workers",
+        "tests/test_shm_direct.py::probe_elsewhere",
+        "tests/test_source_dtensor.py::ranks",
+        "tests/test_sync.py::worker_url",
+        "tests/test_vllm.py::vllm_server",
+    }
+)
+"""Fixtures (`file::name`, where defined) that start processes: their users are slow.
+The spy names the fixture when one not listed here starts a process."""
+
+
+def _spawning_fixtures(item: pytest.Item) -> set[str]:
+    """The fixtures `item` uses that are in SPAWNING_FIXTURES."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    used = {
+        f"{fixturedef.baseid}::{name}"
+        for name, fixturedefs in info.name2fixturedefs.items()
+        for fixturedef in fixturedefs
+    }
+    return used & SPAWNING_FIXTURES
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,8 +79,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     for item in items:
-        uses = set(getattr(item, "fixturenames", ()))
-        if any(mark in item.keywords for mark in SLOW_MARKS) or uses & SPAWNING_FIXTURES:
+        if any(mark in item.keywords for mark in SLOW_MARKS) or _spawning_fixtures(item):
             item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
@@ -70,6 +100,13 @@ def _watched(item: pytest.Item) -> Any:
     if refused:  # the phase passed: a thread swallowed the refusal
         pytest.fail(f"{item.nodeid} started processes but is not marked slow: {refused}")
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
+    """Name the fixture being set up, for the spy's message."""
+    with _spawns.in_fixture(f"{fixturedef.baseid}::{fixturedef.argname}"):
+        return (yield)
 
 
 @pytest.hookimpl(wrapper=True)

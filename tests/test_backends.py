@@ -91,7 +91,6 @@ async def push_rounds(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "packed"])
-@pytest.mark.slow
 async def test_mixed_dtypes_arrive_bit_exact_every_round(
     mixed_worker: str, info: Callable[..., TrainerInitInfo], zero_copy: bool
 ) -> None:
@@ -167,7 +166,6 @@ async def test_five_thousand_tiny_tensors(backend: str) -> None:
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_two_workers_receive_every_round(
     backend: str, mixed_worker: str, second_mixed_worker: str
 ) -> None:
@@ -229,7 +227,6 @@ class FirstYieldSource(ModuleSource):
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_the_first_tensors_are_gathered_while_the_round_opens(
     mixed_worker: str, backend: str
 ) -> None:
@@ -264,7 +261,6 @@ class YieldTimesSource(ModuleSource):
 
 @uvloop_only
 @pytest.mark.parametrize("read_ahead", [1, 3])
-@pytest.mark.slow
 async def test_the_source_runs_read_ahead_buckets_ahead_while_the_round_opens(
     mixed_worker: str, backend: str, read_ahead: int
 ) -> None:
@@ -301,7 +297,6 @@ class SliceRecordingSource(ModuleSource):
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
     mixed_worker: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -387,7 +382,6 @@ async def _fails_then_the_next_round_arrives(
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_failed_start_stops_the_gather_and_the_next_round_arrives(
     mixed_worker: str, backend: str
 ) -> None:
@@ -436,7 +430,6 @@ class FailsOnceSource(ModuleSource):
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_source_error_while_waiting_for_ready_aborts_and_the_next_round_arrives(
     mixed_worker: str, backend: str
 ) -> None:
@@ -521,7 +514,6 @@ async def test_failing_transform_surfaces_at_finish_and_version_stays(
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_plan_digest_mismatch_fails_before_any_data_moves(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:
@@ -545,7 +537,6 @@ async def test_plan_digest_mismatch_fails_before_any_data_moves(
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_worker_model_that_lacks_a_parameter_fails_init(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:
@@ -586,7 +577,6 @@ FAULTS = [
 
 @uvloop_only
 @pytest.mark.parametrize(("fault", "message"), FAULTS)
-@pytest.mark.slow
 async def test_source_that_breaks_the_plan_fails_the_round_then_recovers(
     mixed_worker: str, info: Callable[..., TrainerInitInfo], fault: Callable[..., Any], message: str
 ) -> None:
@@ -616,7 +606,6 @@ class TamperingClient(HttpClient):
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_worker_with_the_wrong_token_is_refused(
     mixed_worker: str, info: Callable[..., TrainerInitInfo]
 ) -> None:

@@ -51,7 +51,6 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow
 def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str]) -> None:
     report, _ = tiny_run
     assert list(report) == SECTIONS
@@ -86,7 +85,6 @@ def test_bench_tiny_report_has_every_section(tiny_run: tuple[dict[str, Any], str
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow
 def test_bench_tiny_every_transfer_is_bit_exact(tiny_run: tuple[dict[str, Any], str]) -> None:
     report, _ = tiny_run
     expected = report["meta"]["trainer_checksum"]
@@ -103,7 +101,6 @@ def test_bench_tiny_every_transfer_is_bit_exact(tiny_run: tuple[dict[str, Any], 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow
 def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]) -> None:
     report, stdout = tiny_run
     direct = report["asyncwt"]["tcp"]["direct"]
@@ -135,7 +132,6 @@ def test_bench_tiny_reports_ratios_and_bars(tiny_run: tuple[dict[str, Any], str]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow
 def test_bench_tiny_pairs_each_headline_round_with_the_baselines_before_it(
     tiny_run: tuple[dict[str, Any], str],
 ) -> None:

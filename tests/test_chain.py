@@ -178,7 +178,6 @@ class Leaks:
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_chain_is_bit_exact_everywhere_and_the_trainer_sends_each_byte_once(
     pool: Pool,
 ) -> None:
@@ -203,7 +202,6 @@ async def test_chain_is_bit_exact_everywhere_and_the_trainer_sends_each_byte_onc
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_drop_cuts_out_a_middle_worker_killed_mid_round_and_a_joined_one_catches_up(
     pool: Pool,
 ) -> None:
@@ -251,7 +249,6 @@ async def test_drop_cuts_out_a_middle_worker_killed_mid_round_and_a_joined_one_c
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_fail_ends_the_round_with_a_typed_error_and_nobody_publishes(pool: Pool) -> None:
     """The same ten kill points with `on_worker_failure="fail"`: a typed error within
     the timeouts, and no survivor publishes the round."""
@@ -284,7 +281,6 @@ async def test_fail_ends_the_round_with_a_typed_error_and_nobody_publishes(pool:
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_star_drop_cuts_out_a_killed_worker_too(pool: Pool) -> None:
     """`on_worker_failure="drop"` is no chain feature: a star drops the same way."""
     live = {w.url: w for w in (pool.take() for _ in range(3))}
@@ -432,7 +428,6 @@ STALL_POINTS = 2
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_drop_cuts_out_a_middle_worker_stopped_mid_round(pool: Pool) -> None:
     """A middle worker stopped (SIGSTOP) mid-round: the round fails within the
     timeouts, the stalled worker shows itself by not answering the next start within
@@ -489,7 +484,6 @@ class KillThenFail(FaultySource):
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_a_chain_round_that_fails_before_any_byte_leaves_the_weights_complete(
     pool: Pool,
 ) -> None:

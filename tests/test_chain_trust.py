@@ -120,7 +120,6 @@ async def rounds_hold(
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_a_trickling_connection_holds_up_no_round_and_no_sigterm(pool: Pool) -> None:
     """One trickler at each worker's relay listener: every round completes on both
     workers (on_worker_failure="drop" drops nobody), and SIGTERM ends the worker."""
@@ -148,7 +147,6 @@ async def test_a_trickling_connection_holds_up_no_round_and_no_sigterm(pool: Poo
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_chain_rounds_in_workers_holding_over_1024_descriptors(pool: Pool) -> None:
     """Relay sockets numbered past 1023 (a vLLM server holds that many): rounds work."""
     workers = [pool.take(fds=EXTRA_FDS) for _ in range(2)]
@@ -213,7 +211,6 @@ class Impostor:
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
-@pytest.mark.slow
 async def test_a_token_holding_impostor_is_refused_at_the_tails_relay(pool: Pool) -> None:
     """An impostor with the token pre-connects to the tail's listener before a round:
     the tail admits only the predecessor the trainer named for the round, so the

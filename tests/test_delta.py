@@ -359,7 +359,6 @@ def is_delta(stats: RoundStats) -> bool:
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_delta_rounds_are_bit_exact_and_small_on_both_kinds_of_worker(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -388,7 +387,6 @@ async def delta_trajectory(urls: list[str], info: TrainerInitInfo) -> Any:
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_worker_whose_base_differs_fails_the_digest_then_gets_a_full_round(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -435,7 +433,6 @@ async def digest_failure_then_full(urls: list[str], info: TrainerInitInfo) -> No
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_zsparse_bomb_fails_its_round_before_decompressing_and_the_next_is_full(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -483,7 +480,6 @@ async def test_a_zsparse_bomb_fails_its_round_before_decompressing_and_the_next_
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_new_trainer_sends_a_full_round_first(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -508,7 +504,6 @@ CUTS = 8
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_delta_round_cut_at_seeded_offsets_publishes_nothing_and_recovers(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -550,7 +545,6 @@ CANCELS = 10
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_a_delta_round_cancelled_at_seeded_points_leaves_the_previous_version(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:

@@ -76,7 +76,6 @@ def _sender(engine: object) -> ShmSender:
 
 @uvloop_only
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
-@pytest.mark.slow
 async def test_shm_delta_rounds_are_bit_exact_and_small(
     workers: Workers, direct_reads: bool
 ) -> None:
@@ -87,7 +86,6 @@ async def test_shm_delta_rounds_are_bit_exact_and_small(
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_shm_auto_policy_rounds_are_bit_exact(workers: Workers) -> None:
     """On one host the encoder is slower than a memcpy: auto may send full rounds,
     and whatever it chooses, every round is bit-exact."""
@@ -107,7 +105,6 @@ async def test_shm_auto_policy_rounds_are_bit_exact(workers: Workers) -> None:
 
 @uvloop_only
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
-@pytest.mark.slow
 async def test_a_shm_worker_whose_base_differs_fails_the_digest_then_gets_a_full_round(
     workers: Workers, direct_reads: bool
 ) -> None:
@@ -164,7 +161,6 @@ CUTS = 4
 
 @uvloop_only
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
-@pytest.mark.slow
 async def test_a_shm_delta_round_cut_at_seeded_points_publishes_nothing_and_recovers(
     workers: Workers, direct_reads: bool
 ) -> None:
@@ -210,7 +206,6 @@ CANCELS = 6
 
 @uvloop_only
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "ring"])
-@pytest.mark.slow
 async def test_a_shm_delta_round_cancelled_at_seeded_points_leaves_the_previous_version(
     workers: Workers, direct_reads: bool
 ) -> None:

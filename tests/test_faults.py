@@ -116,7 +116,6 @@ CUT_OFFSETS = 30
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_data_connection_cut_at_random_offsets_fails_cleanly_and_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -170,7 +169,6 @@ CANCEL_POINTS = 20
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_send_weights_cancelled_at_random_points_leaves_nothing_behind(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -219,7 +217,6 @@ async def wait_for_round_to_begin(client: HttpClient, timeout: float = 15) -> No
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -268,7 +265,6 @@ async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recov
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_killed_trainer_leaves_the_worker_incomplete_and_a_new_trainer_recovers_it(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:
@@ -311,7 +307,6 @@ async def test_killed_trainer_leaves_the_worker_incomplete_and_a_new_trainer_rec
 
 
 @uvloop_only
-@pytest.mark.slow
 async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
     backend: str, worker: tuple[subprocess.Popen[str], str]
 ) -> None:

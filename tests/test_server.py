@@ -164,7 +164,6 @@ def local_engines(count: int) -> list[FakeEngine]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_http_client_runs_a_full_round_and_status_shows_version_and_checksum(
     worker_url: str,
 ) -> None:
@@ -191,7 +190,6 @@ async def test_http_client_runs_a_full_round_and_status_shows_version_and_checks
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_http_client_fans_out_to_two_workers_concurrently(
     worker_urls: list[str], tmp_path: Path
 ) -> None:
@@ -208,7 +206,6 @@ async def test_http_client_fans_out_to_two_workers_concurrently(
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_http_client_error_names_url_route_status_and_server_message(
     worker_url: str,
 ) -> None:
@@ -225,7 +222,6 @@ async def test_http_client_error_names_url_route_status_and_server_message(
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_http_client_reports_engine_failure_as_500_with_its_type(worker_url: str) -> None:
     async with HttpClient(worker_url) as client:
         await client.init_weight_transfer_engine({})
@@ -329,7 +325,6 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("route", "data", "status", "pattern"), BAD_REQUESTS)
-@pytest.mark.slow
 def test_server_answers_bad_request_with_json_error(
     worker_url: str, route: str, data: bytes, status: int, pattern: str
 ) -> None:
@@ -342,7 +337,6 @@ def test_server_answers_bad_request_with_json_error(
     assert re.match(pattern, body["error"]), body["error"]
 
 
-@pytest.mark.slow
 def test_server_rejects_bad_update_info_and_accepts_a_second_init(worker_url: str) -> None:
     assert post_raw(worker_url, "/init_weight_transfer_engine", b'{"init_info": {}}')[0] == 200
     status, _, text = post_raw(worker_url, "/update_weights", b'{"update_info": {"fill": "x"}}')
@@ -355,7 +349,6 @@ def test_server_rejects_bad_update_info_and_accepts_a_second_init(worker_url: st
     assert (status, json.loads(text)) == (200, {"ok": True})
 
 
-@pytest.mark.slow
 def test_server_engine_failure_is_500_without_traceback(worker_url: str) -> None:
     assert post_raw(worker_url, "/init_weight_transfer_engine", b"{}")[0] == 200
     assert post_raw(worker_url, "/start_weight_update", b"{}")[0] == 200

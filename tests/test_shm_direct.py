@@ -444,7 +444,6 @@ def probe_elsewhere() -> Iterator[ReadProbe]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_a_pid_that_does_not_hold_the_link_is_refused(probe_elsewhere: ReadProbe) -> None:
     """The init info names another process that holds a valid probe (a wrong or
     hostile control plane): the worker refuses to read it, naming the pid."""

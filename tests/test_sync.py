@@ -47,7 +47,6 @@ class _StatusReader:
         return anyio.run(read)
 
 
-@pytest.mark.slow
 def test_plain_loop_pushes_bit_exact_rounds(worker_url: str) -> None:
     model = _models.mixed()
     status = _StatusReader(worker_url)
@@ -66,7 +65,6 @@ def test_plain_loop_pushes_bit_exact_rounds(worker_url: str) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.slow
 async def test_refuses_to_run_inside_an_event_loop(worker_url: str) -> None:
     with pytest.raises(
         RuntimeError,
@@ -108,7 +106,6 @@ def default_sigint() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("default_sigint")
-@pytest.mark.slow
 def test_ctrl_c_cancels_the_round_and_the_next_one_works(worker_url: str) -> None:
     model = _models.mixed()
     source = _InterruptingSource(model, after=3)
