@@ -25,6 +25,9 @@ from asyncwt._transports.wire import pack_hello
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 
+pytestmark = pytest.mark.slow
+
+
 @contextlib.asynccontextmanager
 async def flooding(port: int, idle: int, stalled: int) -> AsyncIterator[None]:
     """`idle` connections that send nothing and `stalled` ones that send a HELLO and

@@ -103,6 +103,7 @@ async def test_mixed_dtypes_arrive_bit_exact_every_round(
 
 @uvloop_only
 @pytest.mark.parametrize("elementwise", [False, True], ids=["whole-tensors", "elementwise"])
+@pytest.mark.slow
 async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool) -> None:
     """With a transform every parameter goes through the applier (and chunk reassembly,
     or, elementwise, chunks landing and in-place transforms; 0-d and empty ones too)."""
@@ -126,6 +127,7 @@ async def test_background_copy_path_is_bit_exact(backend: str, elementwise: bool
                   ("--transform", "_models:identity_transform", "--transform-elementwise")],
     ids=["in-place", "through-buffers", "elementwise"],
 )  # fmt: skip
+@pytest.mark.slow
 async def test_slices_of_a_mib_and_more_among_small_ones(
     backend: str, transform: tuple[str, ...]
 ) -> None:
@@ -148,6 +150,7 @@ async def test_slices_of_a_mib_and_more_among_small_ones(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_five_thousand_tiny_tensors(backend: str) -> None:
     with worker_process("_models:many_tiny", "--backend", backend, env=worker_env()) as url:
         async with HttpClient(url) as client:
@@ -170,6 +173,7 @@ async def test_two_workers_receive_every_round(
         await push_rounds(client, _models.mixed(), rounds=2, info=info_for(backend, workers=2))
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_push_an_fsdp2_model(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,6 +461,7 @@ class RecordingClient(HttpClient):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_update_returns_before_slow_transform_and_finish_waits(
     backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
 ) -> None:
@@ -475,6 +480,7 @@ async def test_update_returns_before_slow_transform_and_finish_waits(
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_failing_transform_surfaces_at_finish_and_version_stays(
     backend: str, info: Callable[..., TrainerInitInfo], tmp_path: Path
 ) -> None:

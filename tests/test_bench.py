@@ -203,6 +203,7 @@ def test_memcpy_on_two_cores_copies_every_byte_once() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_overlap_pairs_script_runs_each_pair(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
     proc = subprocess.run(
@@ -219,6 +220,7 @@ def test_the_overlap_pairs_script_runs_each_pair(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_shm_streams_script_pairs_each_count_with_memcpy(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "shm_streams.py"
     proc = subprocess.run(
@@ -233,6 +235,7 @@ def test_the_shm_streams_script_pairs_each_count_with_memcpy(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_tcp_cpu_script_accounts_each_side_of_both_streams(tmp_path: Path) -> None:
     """Every side's CPU per round is read from /proc: each sender did system work
     (its copies into the socket), and the trainer's event loop is told apart."""
@@ -256,6 +259,7 @@ def test_the_tcp_cpu_script_accounts_each_side_of_both_streams(tmp_path: Path) -
     assert "asyncwt against the raw stream" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_overlap_pairs_script_names_a_pair_it_does_not_know() -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_pairs.py"
     proc = subprocess.run(
@@ -338,6 +342,7 @@ def test_memory_probe_sees_a_touched_allocation() -> None:
     assert window.extra_bytes >= 60 << 20
 
 
+@pytest.mark.slow
 def test_cpu_meter_tells_a_busy_process_from_a_sleeping_one() -> None:
     """Load-proof: this process spins until it has had 0.3 s of CPU (however long that
     takes on a busy machine), and the meter's reading is held to the process's own

@@ -90,6 +90,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> None:
     proc = _bench(tmp_path)
     stdout, stderr = proc.communicate(timeout=540)
@@ -149,6 +150,7 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
         (signal.SIGTERM, "a scenario runs"),
     ],
 )
+@pytest.mark.slow
 def test_cluster_interrupted_leaves_no_namespace_link_or_process(
     tmp_path: Path, signum: int, when: str
 ) -> None:
@@ -190,6 +192,7 @@ def test_cluster_interrupted_leaves_no_namespace_link_or_process(
 # -- without root -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cluster_without_root_says_so_and_exits_nonzero(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_delta_trajectory_smoke_run_is_bit_exact(tmp_path: Path, backend: str) -> None:
     subprocess.run(

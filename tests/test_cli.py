@@ -181,6 +181,7 @@ def test_every_command_takes_log_level(capsys: pytest.CaptureFixture[str], comma
     assert "$ASYNCWT_LOG_LEVEL" in help_text
 
 
+@pytest.mark.slow
 def test_a_model_in_the_current_folder_is_found_as_python_m_finds_it() -> None:
     """From examples/, `--model quickstart:make_model` imports (the error that ends the
     run is the backend's, which is checked after the import)."""

@@ -113,6 +113,7 @@ async def test_a_shm_worker_whose_base_differs_fails_the_digest_then_gets_a_full
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_shm_deltas_to_a_direct_reader_and_a_ring_reader() -> None:
     """A round with both kinds of worker packs every bucket into the ring: a coded
     bucket still goes inline to both, a raw one through the ring slot."""

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 
 def test_demo_pushes_every_step_bit_exact() -> None:
     result = subprocess.run(

@@ -40,6 +40,7 @@ def _importable(name: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_docs_build_in_strict_mode(tmp_path: Path) -> None:
     toolchain = ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "pymdownx")
     missing = [name for name in toolchain if not _importable(name)]
@@ -78,6 +79,7 @@ def test_every_public_name_has_a_reference_entry_and_no_other() -> None:
     assert sorted(documented) == sorted(asyncwt.__all__)
 
 
+@pytest.mark.slow
 def test_backends_table_lists_exactly_the_registered_backends() -> None:
     text = (DOCS / "concepts.md").read_text()
     table = text.split("<!-- backends:", 1)[1].split("<!-- /backends -->", 1)[0]
@@ -202,6 +204,7 @@ def test_readme_starts_with_setup_demo_and_the_test_command() -> None:
 
 
 @pytest.mark.parametrize("command", ["worker", "demo", "bench"])
+@pytest.mark.slow
 def test_commands_in_the_readme_and_docs_use_real_options(command: str) -> None:
     options = _help_options(command)
     lines = re.findall(rf"asyncwt {command}\b[^\n`]*", _text() + README.read_text())
@@ -209,6 +212,7 @@ def test_commands_in_the_readme_and_docs_use_real_options(command: str) -> None:
     assert used <= options, f"asyncwt {command} has no {sorted(used - options)}"
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
     """The README's worker command (on a free port) and its trainer, from examples/."""
     from asyncwt._cli.launch import start_worker, stop_worker
@@ -242,6 +246,7 @@ def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
     ], done.stdout
 
 
+@pytest.mark.slow
 def test_worker_options_in_the_docs_exist() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "asyncwt", "worker", "--help"],

@@ -58,6 +58,7 @@ def test_examples_use_only_public_names() -> None:
             assert module in allowed_private, f"{path.name} imports private {module}"
 
 
+@pytest.mark.slow
 def test_async_rl_loop_tags_every_batch_with_its_version() -> None:
     steps = 12
     lines = run_example("async_rl_loop.py", "--steps", str(steps))
@@ -89,6 +90,7 @@ def test_async_rl_loop_tags_every_batch_with_its_version() -> None:
     assert len(lines) == steps + 2
 
 
+@pytest.mark.slow
 def test_plain_trainer_is_on_policy_every_step() -> None:
     steps = 12
     lines = run_example("plain_trainer.py", "--steps", str(steps))
@@ -106,6 +108,7 @@ def test_plain_trainer_is_on_policy_every_step() -> None:
     ), lines[steps + 1]
 
 
+@pytest.mark.slow
 def test_fsdp_trainer_ranks_push_bit_exact() -> None:
     lines = run_example("fsdp_trainer.py", "--steps", "2")
     assert re.fullmatch(
@@ -120,6 +123,7 @@ def test_fsdp_trainer_ranks_push_bit_exact() -> None:
     assert lines[3:] == ["fsdp trainer finished: 2 rounds from 2 ranks arrived bit-exact"]
 
 
+@pytest.mark.slow
 def test_fsdp_trainer_owner_senders_push_bit_exact() -> None:
     lines = run_example("fsdp_trainer.py", "--steps", "2", "--senders", "owners")
     for step, line in enumerate(lines[1:3], start=1):
@@ -131,6 +135,7 @@ def test_fsdp_trainer_owner_senders_push_bit_exact() -> None:
     assert lines[3:] == ["fsdp trainer finished: 2 rounds from 2 ranks arrived bit-exact"]
 
 
+@pytest.mark.slow
 def test_quickstart_pushes_three_steps() -> None:
     env = dict(os.environ, PYTHONPATH=str(EXAMPLES))  # as `cd examples` does in the docs
     with worker_process("quickstart:make_model", env=env) as url:

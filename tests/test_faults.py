@@ -361,6 +361,7 @@ async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
 
 @uvloop_only
 @pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+@pytest.mark.slow
 async def test_stuck_apply_fails_finish_after_drain_timeout_naming_the_bucket(
     tmp_path: Path, staged: bool
 ) -> None:
@@ -466,6 +467,7 @@ async def test_a_sync_client_wedged_after_an_abort_is_abandoned_after_rpc_timeou
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_staged_worker_keeps_its_previous_weights_when_the_connection_is_cut() -> None:
     rng = random.Random(SEED + 2)
     with worker_process("_models:mixed", "--staged", env=worker_env()) as url:

@@ -90,6 +90,7 @@ def _registered(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return [c.name for c in _load_script(monkeypatch).core.ordered_checks()]
 
 
+@pytest.mark.slow
 def test_list_names_every_check_once_with_a_description(monkeypatch: pytest.MonkeyPatch) -> None:
     done = _run("--list")
     assert done.returncode == 0, done.stderr
@@ -101,6 +102,7 @@ def test_list_names_every_check_once_with_a_description(monkeypatch: pytest.Monk
     assert all(len(row) == 2 and len(row[1]) > 20 for row in rows)
 
 
+@pytest.mark.slow
 def test_without_cuda_every_check_is_reported_not_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,6 +121,7 @@ def test_without_cuda_every_check_is_reported_not_run(
         assert re.search(rf"^\| {re.escape(name)} \| not-run \(no CUDA\) \|", table, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_without_cuda_only_the_selected_checks_are_reported(tmp_path: Path) -> None:
     done = _run("--only", "ipc-reinit,cuda-tests", "--out", str(tmp_path))
     assert done.returncode == 3
@@ -138,6 +141,7 @@ def test_only_with_an_unknown_name_names_it_and_the_known_ones(
         module.select_checks("cuda-tests,nccl-world2")
 
 
+@pytest.mark.slow
 def test_only_with_an_unknown_name_exits_with_a_usage_error() -> None:
     done = _run("--only", "nccl-world2", "--list")
     assert done.returncode == 2
@@ -151,6 +155,7 @@ def test_only_with_an_unknown_name_exits_with_a_usage_error() -> None:
 # -- import asyncwt on the GPU image -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_import_asyncwt_needs_no_zstandard() -> None:
     # The GPU image has no zstandard: asyncwt, its worker CLI and its delta modules
     # import without it (a delta round imports it when it first codes a body).
@@ -235,6 +240,7 @@ def test_discover_reads_bodies_helpers_code_strings_chains_and_worker_specs(
     assert owners["_gpu_check_core.check"] == ["*"]  # top-level imports: every check's
 
 
+@pytest.mark.slow
 def test_preflight_probe_names_what_does_not_resolve_and_passes_the_rest(
     preflight: ModuleType, tmp_path: Path
 ) -> None:
@@ -261,6 +267,7 @@ def test_preflight_probe_names_what_does_not_resolve_and_passes_the_rest(
     assert result["versions"]["torch"].startswith("2.")
 
 
+@pytest.mark.slow
 def test_every_check_resolves_in_this_interpreter(preflight: ModuleType) -> None:
     # What `gpu-check --preflight` runs (CI runs it in the GPU image's packages too),
     # less the pytest collection of the cuda tests that this suite's run already is.
@@ -301,6 +308,7 @@ def test_every_probe_a_check_runs_in_a_child_compiles() -> None:
     assert probes >= 5  # basics' fork probe, the lone NCCL rank's, the cuda_ipc ring's three
 
 
+@pytest.mark.slow
 def test_wheels_install_one_by_one_and_a_misfit_drops_only_itself(
     preflight: ModuleType, tmp_path: Path
 ) -> None:
@@ -437,6 +445,7 @@ def test_a_missed_target_fails_a_passing_check_and_the_report_shows_it(
     assert verdicts["perf-shm", "64mib_gbps"] == "below"
 
 
+@pytest.mark.slow
 def test_perf_rounds_fill_the_figures_the_targets_read(
     report: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -326,6 +326,7 @@ print(calls, torch.cuda.is_initialized())
 """
 
 
+@pytest.mark.slow
 def test_importing_asyncwt_asks_nothing_of_cuda() -> None:
     out = subprocess.run(
         [sys.executable, "-c", _IMPORT_PROBE],

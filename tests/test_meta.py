@@ -285,6 +285,7 @@ def test_param_meta_rejects_placement_that_is_neither_shard_nor_replicate(
         )
 
 
+@pytest.mark.slow
 def test_param_meta_rejects_torch_placements_that_were_not_translated() -> None:
     from torch.distributed.tensor import Shard as TorchShard
 

@@ -21,6 +21,9 @@ from asyncwt._cli.launch import start_worker, stop_worker
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 
+pytestmark = pytest.mark.slow
+
+
 def metric(text: str, name: str) -> float:
     """The value of the sample `name` (with its labels, as exposed) in `text`."""
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)

@@ -51,6 +51,7 @@ def _check(results: list[Any], name: str, world: int) -> None:
     ("world", "scenarios"),
     [(2, ["fsdp2", "tensor_parallel"]), (4, ["fsdp2", "tensor_parallel", "mesh_2d"])],
 )
+@pytest.mark.slow
 def test_owner_senders_are_bit_exact_and_never_gather(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, scenarios: list[str]
 ) -> None:
@@ -65,6 +66,7 @@ def test_owner_senders_are_bit_exact_and_never_gather(
         _check(results, name, world)
 
 
+@pytest.mark.slow
 def test_owner_senders_over_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     results = _run(
         tmp_path,
@@ -150,6 +152,7 @@ def test_layout_digest_covers_ownership_and_wire_round_trips() -> None:
         OwnersLayout.from_wire(bare, {**a.to_wire(), "world_size": 10**9})
 
 
+@pytest.mark.slow
 def test_a_rank_whose_shard_disagrees_fails_the_round_and_nothing_is_published(
     tmp_path: Path,
 ) -> None:
@@ -190,6 +193,7 @@ def test_share_source_names_the_parameter_and_rank_of_a_bad_shard() -> None:
         list(ShareSource(Local(3), layout, 1).iter_full())
 
 
+@pytest.mark.slow
 def test_an_init_failure_on_one_rank_fails_every_rank_without_hanging(tmp_path: Path) -> None:
     rank0, rank1 = _dist.run_ranks(_owners_ranks.init_fails_on_one_rank, 2, tmp_path)
     assert rank1["error"] is not None and "Address already in use" in rank1["error"]

@@ -53,6 +53,7 @@ def with_worker_tail(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_trainer_missing_a_worker_parameter_fails_its_init_naming_it() -> None:
     model = without_tail(seed=1)
     with worker_process("_models:mixed", env=worker_env()) as url:
@@ -66,6 +67,7 @@ async def test_a_trainer_missing_a_worker_parameter_fails_its_init_naming_it() -
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_with_partial_the_rounds_publish_and_status_names_what_they_left() -> None:
     model = without_tail(seed=2)
     with worker_process("_models:mixed", env=worker_env()) as url:

@@ -156,6 +156,7 @@ async def status_of(client: HttpClient) -> tuple[Any, bool, str]:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_incomplete_survives_engine_shutdown_and_a_new_trainer_init(tmp_path: Path) -> None:
     """Finding 1: a failed round's mixed weights stay `weights_incomplete` after
     `/shutdown_weight_transfer_engine` and a new `trainer_init`."""
@@ -197,6 +198,7 @@ class IntrudingClient(HttpClient):
 
 @uvloop_only
 @pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+@pytest.mark.slow
 async def test_an_extra_start_before_finish_cannot_swallow_the_apply_error(
     tmp_path: Path, staged: bool
 ) -> None:
@@ -276,6 +278,7 @@ async def test_a_drain_pending_caller_cannot_swallow_the_apply_error(staged: boo
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_finish_publishes_only_the_round_its_start_opened(tmp_path: Path) -> None:
     """Finding 3: a second finish cannot relabel the weights, and start + finish with
     no update publishes nothing."""
@@ -342,6 +345,7 @@ class LateUpdateClient(HttpClient):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_late_update_of_a_cancelled_round_cannot_fail_the_next_round() -> None:
     """Finding 7: a cancelled round's `update_weights` arriving after the next
     round's start is refused (409 naming the round) and that round completes."""
@@ -476,6 +480,7 @@ class Interleaving:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_two_clients_interleaved_at_random_never_publish_a_lie() -> None:
     """1000 random interleavings of a trainer and a careless second client against a
     worker whose background apply fails in about a third of the updates: a version

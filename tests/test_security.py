@@ -311,6 +311,7 @@ async def _answers_without_the_key(url: str, headers: dict[str, str]) -> list[tu
 
 @uvloop_only
 @pytest.mark.parametrize("how", ["flag-on-loopback", "env-on-all-interfaces"])
+@pytest.mark.slow
 async def test_a_worker_with_an_api_key_refuses_every_route_without_it(
     how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -349,6 +350,7 @@ async def test_a_worker_with_an_api_key_refuses_every_route_without_it(
             await assert_worker_has(client, model, "authenticated")
 
 
+@pytest.mark.slow
 def test_the_worker_refuses_to_serve_beyond_loopback_without_an_api_key() -> None:
     import subprocess
     import sys
@@ -395,6 +397,7 @@ def test_serve_checks_the_api_key_before_binding() -> None:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_round_from_a_stranger_cannot_break_the_trainers_link() -> None:
     """A second client that is not the trainer (it does not know the trainer's id):
     its update with round id 2**64-1 and its start naming another trainer are

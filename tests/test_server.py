@@ -363,6 +363,7 @@ def test_server_engine_failure_is_500_without_traceback(worker_url: str) -> None
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_worker_exits_zero_on_signal(tmp_path: Path, signum: signal.Signals) -> None:
     worker = spawn_worker(tmp_path / "worker.err")
     try:
@@ -374,6 +375,7 @@ def test_worker_exits_zero_on_signal(tmp_path: Path, signum: signal.Signals) -> 
         worker.stop()
 
 
+@pytest.mark.slow
 def test_worker_with_unknown_backend_fails_before_listening(tmp_path: Path) -> None:
     worker = spawn_worker(tmp_path / "worker.err", backend="no-such-backend")
     try:

@@ -82,6 +82,7 @@ def half_sent_requests(port: int, count: int) -> list[socket.socket]:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_half_sent_requests_past_the_worker_fd_limit_leave_a_round_working() -> None:
     """500 half-sent requests against a worker whose descriptors are capped at 256:
     the slow connections are evicted (or cut off by the header timeout) instead of
@@ -106,6 +107,7 @@ async def test_half_sent_requests_past_the_worker_fd_limit_leave_a_round_working
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_body_of_nested_lists_is_refused_before_parsing_and_stalls_nothing() -> None:
     """A 24 MiB body of empty lists is refused (413, naming max_json_items) without
     being parsed: the worker keeps answering meanwhile and its memory stays flat."""
@@ -281,6 +283,7 @@ _FLOOD = Path(__file__).with_name("_flood.py")
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_clients_without_the_key_never_take_the_trainers_connection(
     tmp_path: Path,
 ) -> None:
@@ -361,6 +364,7 @@ async def _post_gzip(url: str, route: str, payload: bytes) -> tuple[int, str]:
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_compressed_and_chunked_bodies_are_refused_before_they_are_held() -> None:
     """80 gzip bombs (59 KiB inflating to 60 MiB) and 20 chunked bodies of 16 MiB,
     all at once, to a route whose limit is 64 KiB: the bombs are answered 415 without

@@ -195,12 +195,14 @@ def _read_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("asyncwt-shm-read")]
 
 
+@pytest.mark.slow
 def test_a_child_process_reads_the_probe_back() -> None:
     probe, buffer = ReadProbe.create()
     assert buffer.raw.hex() == probe.nonce and len(buffer.raw) == PROBE_BYTES
     assert _probe_from_child(probe) == "None"
 
 
+@pytest.mark.slow
 def test_a_probe_that_does_not_match_says_why() -> None:
     probe, _buffer = ReadProbe.create()
     wrong = ReadProbe(probe.pid, probe.address, "00" * PROBE_BYTES)
@@ -212,6 +214,7 @@ def test_a_probe_that_does_not_match_says_why() -> None:
 
 
 @pytest.mark.parametrize("family", ["ipv4", "dual-stack"])
+@pytest.mark.slow
 def test_the_peer_check_finds_which_process_holds_the_other_end(family: str) -> None:
     """A child accepts the connection: it holds the other end, this process does not."""
     code = (
@@ -301,6 +304,7 @@ async def _push(
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_a_direct_round_packs_nothing_on_the_trainer() -> None:
     model = _models.large_slices()
     assert all(p.is_contiguous() for p in model.parameters())
@@ -317,6 +321,7 @@ async def test_a_direct_round_packs_nothing_on_the_trainer() -> None:
     [(3, ()), (2, ("--transform", "_models:identity_transform", "--transform-elementwise"))],
     ids=["three-streams", "two-streams-elementwise"],
 )  # fmt: skip
+@pytest.mark.slow
 async def test_split_direct_reads_are_bit_exact_and_leave_no_thread(
     streams: int, transform: tuple[str, ...]
 ) -> None:
@@ -343,6 +348,7 @@ async def test_split_direct_reads_are_bit_exact_and_leave_no_thread(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "packed"])
+@pytest.mark.slow
 async def test_a_trainer_that_offers_no_direct_reads_uses_the_ring(zero_copy: bool) -> None:
     with worker_process("_models:mixed", "--backend", "shm", env=worker_env()) as url:
         sender, _ = await _push([url], _models.mixed(), 2, direct_reads=False, zero_copy=zero_copy)
@@ -355,6 +361,7 @@ async def test_a_trainer_that_offers_no_direct_reads_uses_the_ring(zero_copy: bo
     "transform", [(), ("--transform", "_models:identity_transform", "--transform-elementwise")],
     ids=["in-place", "elementwise"],
 )  # fmt: skip
+@pytest.mark.slow
 async def test_a_round_with_a_direct_reader_and_a_ring_reader(transform: tuple[str, ...]) -> None:
     """One worker cannot read the trainer's memory: every bucket goes into the ring,
     and the other worker reads the ring slot out of the trainer's memory (before the
@@ -518,6 +525,7 @@ def test_a_failed_stream_fails_the_bucket_with_a_transfer_error() -> None:
 @pytest.mark.parametrize(
     "elementwise", [True, False], ids=["elementwise", "whole-tensor"]
 )  # fmt: skip
+@pytest.mark.slow
 async def test_ring_workers_with_an_in_place_transform_each_apply_it_once(
     elementwise: bool,
 ) -> None:

@@ -14,6 +14,8 @@ from _faults import read_line, worker_env
 
 from asyncwt._transports.shm import memfd as _memfd
 
+pytestmark = pytest.mark.slow
+
 
 def _memfds(pid: int) -> list[str]:
     targets = []

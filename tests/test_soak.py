@@ -42,6 +42,9 @@ THREAD_SLACK = 4
 """The worker server's thread pool grows and shrinks with concurrent requests."""
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_many_rounds_keep_memory_and_descriptors_flat(backend: str) -> None:

@@ -17,6 +17,9 @@ from asyncwt import ParamMeta, Replicate, Shard
 WORLD_SIZE = 2
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario's record, per rank (index = rank)."""

@@ -55,6 +55,7 @@ class SnoopingClient(HttpClient):
 
 
 @uvloop_only
+@pytest.mark.slow
 async def test_a_stranger_cannot_list_the_store_or_learn_the_group_key() -> None:
     model = _models.mixed()
     _models.randomize(model, seed=9)
