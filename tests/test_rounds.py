@@ -101,6 +101,22 @@ def test_round_state_refuses_a_late_update_without_disturbing_the_open_round() -
     assert state.weight_version == "v2"
 
 
+def test_round_state_keeps_an_abandoned_rounds_refused_id_spent() -> None:
+    """Found by tests/test_round_machine.py: an update that bound its id to a round
+    started without one, refused by the engine after a later start, set the last
+    round id back to 0, and a replayed start of round 1 was accepted."""
+    state = initialised()
+    state.start(round_id=None, trainer_id="T")
+    ticket = state.begin_update(round_id=1, trainer_id="T")
+    state.start(round_id=2, trainer_id="T")
+    state.end_update(ticket, refused=True)
+    with pytest.raises(
+        RoundConflictError, match=r"^start_weight_update for round 1 refused: round ids"
+    ):
+        state.start(round_id=1, trainer_id="T")
+    one_round(state, 3, "v3")
+
+
 def test_round_state_keeps_a_failure_on_its_round() -> None:
     state = initialised()
     opened = state.start(round_id=1, trainer_id="T")
