@@ -13,8 +13,14 @@ to start, receive and publish (an abandoned or failed round never blocks the nex
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+from _server_models import NAIVE_DEFERRED_BACKEND, tiny
+from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -27,7 +33,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from asyncwt import RoundConflictError
+from asyncwt import (
+    ApplyError,
+    RoundConflictError,
+    TransferError,
+    WeightTransferConfig,
+    create_worker_engine,
+)
+from asyncwt._worker.round_driver import RoundDriver
 from asyncwt._worker.rounds import Round, RoundState, UpdateTicket
 
 INIT_TRAINERS = st.sampled_from(["T", "T", "U", None])
@@ -41,6 +54,8 @@ START_IDS = st.sampled_from(["next", "next", "next", "none", "none", "open", "st
 """Which round id a start names: the next (mostly), none, a replayed, stale or ahead one."""
 CARRIES = st.sampled_from([True, True, False])
 """Whether an update's info names its round and trainer (asyncwt's do), or may name none."""
+OUTCOMES = st.sampled_from(["ok", "ok", "ok", "error", "refused", "in flight"])
+"""How the engine's update ends: received, failed, refused, or not yet (still running)."""
 FAILS = st.sampled_from([False, False, False, True])
 """Whether the engine's call fails (a quarter of them)."""
 
@@ -260,7 +275,25 @@ class RoundMachine(RuleBasedStateMachine):
         return None
 
     @precondition(lambda self: self.model.initialized and self.model.open is not None)
-    @rule(target=tickets, which=ROUND_IDS, whose=TRAINERS, carries_ids=CARRIES)
+    @rule(
+        target=tickets,
+        which=ROUND_IDS,
+        whose=TRAINERS,
+        carries_ids=CARRIES,
+        outcome=OUTCOMES,
+        engine_incomplete=st.booleans(),
+    )
+    def update(
+        self, which: str, whose: str, carries_ids: bool, outcome: str, engine_incomplete: bool
+    ) -> ModelTicket | None:
+        """An update; the engine's call returns at once, or stays in flight (its ticket
+        goes to `tickets`, for `end_update` to report later, among other calls)."""
+        ticket = self.begin_update(which, whose, carries_ids)
+        if ticket is None or outcome == "in flight":
+            return ticket
+        self.end_update(ticket, outcome, engine_incomplete)
+        return None
+
     def begin_update(self, which: str, whose: str, carries_ids: bool) -> ModelTicket | None:
         round_id, trainer_id = self.round_id(which), self.trainer_id(whose)
         phrase = self.update_refusal(round_id, trainer_id, carries_ids)
@@ -284,7 +317,7 @@ class RoundMachine(RuleBasedStateMachine):
 
     @rule(
         ticket=consumes(tickets),
-        outcome=st.sampled_from(["ok", "ok", "error", "refused"]),
+        outcome=OUTCOMES.filter(lambda outcome: outcome != "in flight"),
         engine_incomplete=st.booleans(),
     )
     def end_update(self, ticket: ModelTicket | None, outcome: str, engine_incomplete: bool) -> None:
@@ -313,7 +346,14 @@ class RoundMachine(RuleBasedStateMachine):
     @precondition(
         lambda self: self.model.initialized and self.model.open is not None and not self.closing
     )
-    @rule(which=ROUND_IDS, whose=TRAINERS)
+    @rule(which=ROUND_IDS, whose=TRAINERS, drain=st.sampled_from(["ok", "ok", "fails", "held"]))
+    def finish(self, which: str, whose: str, drain: str) -> None:
+        """A finish; the engine's drain returns at once, or is held (then updates and a
+        shutdown may come before `end_finish` reports it)."""
+        self.begin_finish(which, whose)
+        if self.closing is not None and drain != "held":
+            self.end_finish(drain == "fails")
+
     def begin_finish(self, which: str, whose: str) -> None:
         model, current = self.model, self.model.open
         round_id, trainer_id = self.round_id(which), self.trainer_id(whose)
@@ -406,5 +446,114 @@ class RoundMachine(RuleBasedStateMachine):
         assert probe.open_round is None
 
 
-RoundMachine.TestCase.settings = machine_settings(300)
+RoundMachine.TestCase.settings = machine_settings(200)
 test_round_state_against_its_model = RoundMachine.TestCase
+
+
+# -- the driver and a deferred engine, no server ---------------------------------------
+
+
+class DriverMachine(RuleBasedStateMachine):
+    """`RoundDriver` (the server's path to an engine) with the naive deferred engine of
+    the live interleaving test in tests/test_rounds.py, called in any order by a
+    trainer and a careless second client: a version shown as complete always has
+    exactly the weights of the last update admitted before its finish (the bulk of
+    that test, without HTTP). The engine applies in the background and keeps no
+    round state: its failures surface at whichever drain comes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.portal_cm = start_blocking_portal()
+        self.portal = self.portal_cm.__enter__()
+        self.model = tiny()
+        config = WeightTransferConfig(backend=NAIVE_DEFERRED_BACKEND)
+        self.driver = RoundDriver(
+            None, create=lambda: create_worker_engine(config, model=self.model)
+        )
+        self.fills: dict[str, float] = {}
+        """Each version label's fill: that of the last update admitted before its finish."""
+        self.last_fill = float("nan")
+        self.round_id = 0
+        self.versions = 0
+        self.published: str | None = None
+        self.answers: dict[str, int] = {}
+
+    def call(self, fn: Callable[[], Awaitable[None]]) -> bool:
+        """Run one control call; True if it succeeded, False if refused or failed."""
+        try:
+            self.portal.call(fn)
+        except (RoundConflictError, TransferError, ApplyError) as exc:
+            self.answers[type(exc).__name__] = self.answers.get(type(exc).__name__, 0) + 1
+            return False
+        self.answers["ok"] = self.answers.get("ok", 0) + 1
+        return True
+
+    def ids(self, which: str, whose: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        offsets = {"open": 0, "next": 1, "stale": -1, "ahead": 2}
+        if which != "none":
+            out["round_id"] = max(1, self.round_id + offsets[which])
+        out["trainer_id"] = {"own": "T", "none": None, "stranger": "U"}[whose]
+        return out
+
+    @initialize()
+    def first_init(self) -> None:
+        assert self.call(functools.partial(self.driver.init, {"trainer_id": "T"}))
+
+    @rule(shut_down_first=st.booleans())
+    def reinit(self, shut_down_first: bool) -> None:
+        """A restarted trainer (same id), with or without a shutdown first."""
+        if shut_down_first:
+            self.portal.call(functools.partial(self.driver.shutdown, drop=True))
+        self.first_init()
+        self.round_id = 0
+
+    @rule(which=START_IDS, whose=TRAINERS)
+    def start(self, which: str, whose: str) -> None:
+        ids = self.ids(which, whose)
+        if self.call(functools.partial(self.driver.start, **ids)) and "round_id" in ids:
+            self.round_id = ids["round_id"]
+
+    @rule(which=ROUND_IDS, whose=TRAINERS, fill=st.integers(1, 9), fail_apply=FAILS)
+    def update(self, which: str, whose: str, fill: int, fail_apply: bool) -> None:
+        info = {"fill": float(fill), "fail_apply": fail_apply, **self.ids(which, whose)}
+        info["trainer_id"] = info["trainer_id"] or ""
+        if self.call(functools.partial(self.driver.update, info)):
+            self.last_fill = float(fill)
+
+    @rule(which=ROUND_IDS, whose=TRAINERS, labelled=st.sampled_from([True, True, False]))
+    def finish(self, which: str, whose: str, labelled: bool) -> None:
+        version = None
+        if labelled:
+            self.versions += 1
+            version = f"v{self.versions}"
+            self.fills[version] = self.last_fill
+        before = self.driver.state.weight_version
+        ok = self.call(functools.partial(self.driver.finish, version, **self.ids(which, whose)))
+        after = self.driver.state.weight_version
+        assert after == (version if ok else before), (ok, before, after, version)
+        if ok:
+            self.published = version
+
+    @invariant()
+    def a_complete_version_has_its_rounds_weights(self) -> None:
+        state = self.driver.state
+        assert state.weight_version == self.published, "published off a successful finish"
+        if state.weight_version is None or self.driver.weights_incomplete:
+            return
+        fill = self.fills[state.weight_version]
+        for name, param in self.model.named_parameters():
+            assert torch.all(param == fill), (
+                f"version {state.weight_version!r} is published as complete but {name} is "
+                f"not the fill {fill} its round sent"
+            )
+
+    def teardown(self) -> None:
+        try:
+            self.portal.call(functools.partial(self.driver.shutdown, drop=True))
+        finally:
+            self.portal_cm.__exit__(None, None, None)
+
+
+DriverMachine.TestCase.settings = machine_settings(60)
+test_round_driver_never_publishes_a_lie = DriverMachine.TestCase

@@ -5,7 +5,8 @@ after every update and background apply of that round succeeded; calls out of or
 for another round or from another trainer are refused (409) and change nothing;
 "incomplete" outlives engine shutdown and re-init. The end-to-end tests run a real
 worker process over HTTP (issue 23, findings 1, 2, 3 and 7); the randomized test
-drives an in-process server from two clients.
+drives an in-process server from two clients (a smoke test over HTTP: the state
+machine's own search is tests/test_round_machine.py).
 """
 
 from __future__ import annotations
@@ -383,7 +384,9 @@ async def test_a_late_update_of_a_cancelled_round_cannot_fail_the_next_round() -
 
 # -- randomized interleavings of two clients ----------------------------------------------
 
-INTERLEAVINGS = 1000
+INTERLEAVINGS = 50
+"""An HTTP smoke test: the bulk of the interleavings runs without a server, in
+tests/test_round_machine.py (`test_round_driver_never_publishes_a_lie`)."""
 FAIL_RATE = 0.3
 
 
@@ -493,7 +496,7 @@ class Interleaving:
 
 @uvloop_only
 async def test_two_clients_interleaved_at_random_never_publish_a_lie() -> None:
-    """1000 random interleavings of a trainer and a careless second client against a
+    """50 random interleavings of a trainer and a careless second client against a
     worker whose background apply fails in about a third of the updates: a version
     shown as complete always has exactly its round's weights."""
     rng = random.Random(23)
