@@ -165,8 +165,10 @@ class RoundMachine(RuleBasedStateMachine):
 
     def round_id(self, which: str) -> int | None:
         model = self.model
-        if which == "open" and model.open is not None and model.open.round_id is not None:
-            return model.open.round_id
+        if which == "open" and model.open is not None:
+            # The open round's id; an update naming a round started without one binds
+            # the next id (a trainer's round id naming that round).
+            return model.last + 1 if model.open.round_id is None else model.open.round_id
         offsets = {"open": 0, "next": 1, "stale": -1, "ahead": 2}
         return None if which == "none" else max(0, model.last + offsets[which])
 
