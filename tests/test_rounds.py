@@ -5,7 +5,8 @@ after every update and background apply of that round succeeded; calls out of or
 for another round or from another trainer are refused (409) and change nothing;
 "incomplete" outlives engine shutdown and re-init. The end-to-end tests run a real
 worker process over HTTP (issue 23, findings 1, 2, 3 and 7); the randomized test
-drives an in-process server from two clients.
+drives an in-process server from two clients (a smoke test over HTTP: the state
+machine's own search is tests/test_round_machine.py).
 """
 
 from __future__ import annotations
@@ -99,6 +100,22 @@ def test_round_state_refuses_a_late_update_without_disturbing_the_open_round() -
     closing = state.begin_finish(round_id=2, trainer_id="T")
     assert state.end_finish(closing, "v2", error=None) is None
     assert state.weight_version == "v2"
+
+
+def test_round_state_keeps_an_abandoned_rounds_refused_id_spent() -> None:
+    """Found by tests/test_round_machine.py: an update that bound its id to a round
+    started without one, refused by the engine after a later start, set the last
+    round id back to 0, and a replayed start of round 1 was accepted."""
+    state = initialised()
+    state.start(round_id=None, trainer_id="T")
+    ticket = state.begin_update(round_id=1, trainer_id="T")
+    state.start(round_id=2, trainer_id="T")
+    state.end_update(ticket, refused=True)
+    with pytest.raises(
+        RoundConflictError, match=r"^start_weight_update for round 1 refused: round ids"
+    ):
+        state.start(round_id=1, trainer_id="T")
+    one_round(state, 3, "v3")
 
 
 def test_round_state_keeps_a_failure_on_its_round() -> None:
@@ -371,7 +388,9 @@ async def test_a_late_update_of_a_cancelled_round_cannot_fail_the_next_round() -
 
 # -- randomized interleavings of two clients ----------------------------------------------
 
-INTERLEAVINGS = 1000
+INTERLEAVINGS = 50
+"""An HTTP smoke test: the bulk of the interleavings runs without a server, in
+tests/test_round_machine.py (`test_round_driver_never_publishes_a_lie`)."""
 FAIL_RATE = 0.3
 
 
@@ -482,7 +501,7 @@ class Interleaving:
 @uvloop_only
 @pytest.mark.slow
 async def test_two_clients_interleaved_at_random_never_publish_a_lie() -> None:
-    """1000 random interleavings of a trainer and a careless second client against a
+    """50 random interleavings of a trainer and a careless second client against a
     worker whose background apply fails in about a third of the updates: a version
     shown as complete always has exactly its round's weights."""
     rng = random.Random(23)

@@ -184,7 +184,11 @@ class RoundState:
         round_ = ticket.round
         round_.in_flight -= 1
         if refused:
-            if ticket.bound_id and round_.updates == 0 and round_.in_flight == 0:
+            # Undone only while its round is open: nothing started since, so the id it
+            # bound is still the last one. An abandoned round's id stays spent (a start
+            # since may have taken a later id, which must not be handed out again).
+            undo = self.open_round is round_ and round_.updates == 0 and round_.in_flight == 0
+            if ticket.bound_id and undo:
                 round_.round_id, self._last_round_id = None, ticket.previous_last_id
         elif error is not None:
             round_.error = round_.error or f"update_weights failed: {error}"
