@@ -632,3 +632,45 @@ def test_grpo_example_learns_through_asyncwt_pushes_into_vllm(
     assert rewards[0] < 0.1
     assert max(rewards[-10:]) > 0.5
     assert all(r["push_bytes"] > 0 for r in records[1:])
+
+
+@needs_vllm
+def test_adapter_rounds_serve_hf_merged_twice_and_after_a_base_push(
+    model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
+) -> None:
+    import _vllm_adapter
+
+    env = vllm_env(vllm_tmp)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    spec = json.dumps({"backend": "tcp", "prompts": prompts, "max_tokens": MAX_TOKENS})
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "_vllm_adapter.py"), str(model_dir), spec],
+        env=env, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+
+    vocab = original.config.vocab_size
+    base1 = expected_tokens(_vllm_model.build_model(vocab, seed=1), prompts)
+    want = {
+        "a1": (expected_tokens(_vllm_adapter.merged(vocab, 0, 1), prompts), "original"),
+        "a2": (expected_tokens(_vllm_adapter.merged(vocab, 0, 2), prompts), "original"),
+        "base1": (expected_tokens(_vllm_adapter.merged(vocab, 1, 2), prompts), base1),
+    }
+    original_tokens = expected_tokens(original, prompts)
+    assert want["a1"][0] != original_tokens and want["a1"][0] != want["a2"][0]
+    steps = {step["label"]: step for step in result["steps"]}
+    assert list(steps) == ["a1", "a2", "base1"]
+    for label, (adapter_tokens, base_tokens) in want.items():
+        assert steps[label]["adapter"] == adapter_tokens, label
+        assert steps[label]["base"] == (
+            original_tokens if base_tokens == "original" else base_tokens
+        ), label
+    # Only the adapter travels: 4 modules x 2 layers x (A + B), rank 4, float32.
+    assert steps["a1"]["bytes"] == result["adapter_bytes"] < result["model_bytes"] / 20
+    rounds = result["adapter_round_s"]
+    print(
+        f"adapter round ({steps['a1']['bytes']} bytes, model {result['model_bytes']}): "
+        f"median {rounds[len(rounds) // 2] * 1e3:.2f} ms, min {rounds[0] * 1e3:.2f} ms"
+    )
