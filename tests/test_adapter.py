@@ -123,3 +123,20 @@ def test_adapter_source_refuses_a_model_without_that_adapter() -> None:
         AdapterSource(am.base(), name="policy")
     with pytest.raises(ValueError, match=r"r should be a positive int, got 0"):
         AdapterConfig("x", r=0, lora_alpha=1.0, target_modules=("q_proj",))
+
+
+def test_the_collected_adapter_is_a_copy_of_what_arrived() -> None:
+    from asyncwt._core.plan import TransferPlan
+    from asyncwt._worker.adapters import AdapterCollector
+
+    source = AdapterSource(am.peft_like(seed=1), name="policy")
+    collector = AdapterCollector(TransferPlan.build(source.metadata))
+    arrived = [(name, tensor.clone()) for name, tensor in source.iter_full()]
+    collector.load_weights(arrived)
+    for _, tensor in arrived:  # the receive buffer is reused by the next round
+        tensor.zero_()
+    collected = collector.take()
+    for name, tensor in source.iter_full():
+        torch.testing.assert_close(collected[name], tensor)
+    with pytest.raises(ValueError, match=r"lacks 8 tensors"):
+        collector.take()  # a round hands over its tensors once
