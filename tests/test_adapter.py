@@ -71,8 +71,9 @@ def expected(model: am.PeftLike, base: am.Base) -> torch.Tensor:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("delta", [False, True])
 async def test_adapter_rounds_serve_the_merged_model_twice_and_after_a_base_round(
-    worker_url: str,
+    worker_url: str, delta: bool
 ) -> None:
     peft = am.peft_like(seed=1)
     source = AdapterSource(peft, name="policy")
@@ -82,7 +83,8 @@ async def test_adapter_rounds_serve_the_merged_model_twice_and_after_a_base_roun
     before = await served(worker_url)
     torch.testing.assert_close(before, base(am.PROBE).detach())
     async with HttpClient(worker_url) as client:
-        engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=source)
+        info = TcpTrainerInitInfo(rank=0, delta=delta)
+        engine = await trainer_init(info, client=client, source=source)
         async with engine:
             stats = await engine.send_weights(weight_version="a1")
             assert stats.bytes == adapter_bytes  # only the adapter travels

