@@ -21,6 +21,7 @@ from ._control.protocol import AsyncWeightSyncClient as AsyncWeightSyncClient
 from ._control.protocol import VLLMWeightSyncClient as VLLMWeightSyncClient
 from ._control.protocol import WeightTransferUpdatePayload as WeightTransferUpdatePayload
 from ._control.ray import RayClient as RayClient
+from ._core.adapter import AdapterSource as AdapterSource
 from ._core.checksum import model_checksum as model_checksum
 from ._core.errors import ApplyError as ApplyError
 from ._core.errors import AsyncwtError as AsyncwtError
@@ -85,6 +86,7 @@ from ._worker.server import serve as serve
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterSource",
     "ApplyError",
     "AsyncWeightSyncClient",
     "AsyncwtError",

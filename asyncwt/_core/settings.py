@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._worker.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+from .adapter import AdapterConfig, parse_adapter_config
 from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
 from .validate import (
     check_at_most,
@@ -151,7 +152,12 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     """The trainer sends only part of the model (`PipelineSettings.partial`): the
     worker's parameters outside the plan are left as they are, and reported. Else
     such parameters fail the init."""
+    adapter: dict[str, Any] | None = None
+    """The LoRA adapter the plan's tensors are (`AdapterConfig.to_wire()`): the worker
+    installs them as that adapter instead of loading them into its model."""
 
+    adapter_config: AdapterConfig | None = field(init=False, repr=False, compare=False)
+    """`adapter` parsed (and checked) while parsing; None for model weights."""
     transfer_plan: TransferPlan = field(init=False, repr=False, compare=False)
     """The plan rebuilt from `plan` (and checked against its digest) while parsing, so
     that a malformed plan is the caller's error before any engine state changes."""
@@ -168,6 +174,9 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         check_bool("partial", self.partial)
         if self.owners is not None and not isinstance(self.owners, dict):
             raise ValueError(f"owners should be a dict or None, got {type(self.owners).__name__}")
+        self.adapter_config = None if self.adapter is None else parse_adapter_config(self.adapter)
+        if self.adapter_config is not None and self.owners is not None:
+            raise ValueError("adapter rounds are sent by rank 0: owners should be None")
 
 
 @dataclass

@@ -68,6 +68,12 @@ class WeightSource(ABC):
         """
         return None
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """The LoRA adapter these tensors are (`AdapterConfig.to_wire()`), or `None` for
+        model weights; workers receive it at init. An asyncwt extension of the
+        interface (see `AdapterSource`)."""
+        return None
+
     def implements_iter_full(self) -> bool:
         """Whether this source overrides `iter_full`."""
         return type(self).iter_full is not WeightSource.iter_full

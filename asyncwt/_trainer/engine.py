@@ -411,13 +411,18 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
     def worker_init_fields(self) -> dict[str, Any]:
         """What every worker's `init_weight_transfer_engine` gets from this engine: its
-        plan, the backend's worker fields and the trainer's id (the transport adds the
-        rest: where to connect, a member's number)."""
-        return {
+        plan, the backend's worker fields, the trainer's id and, for an `AdapterSource`,
+        the adapter's config (the transport adds the rest: where to connect, a
+        member's number)."""
+        fields = {
             "plan": self.plan.to_wire(),
             **self.info.worker_fields(),
             "trainer_id": self.trainer_id,
         }
+        adapter = self.source.adapter_config()
+        if adapter is not None:
+            fields["adapter"] = adapter
+        return fields
 
     async def stream(
         self,

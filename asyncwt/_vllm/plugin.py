@@ -19,7 +19,8 @@ workers are spawned, so registering in the driver alone would not reach them):
 It also makes what vLLM serves after a round the round's weights only
 (`reset_caches_after_rounds`): once every worker finished a round, vLLM's engine core
 resets its prefix cache, and requests in flight are preempted and recomputed on the
-new weights; the user calls nothing else.
+new weights; the user calls nothing else. And it lets vLLM's LoRA loader read
+adapters pushed by adapter rounds from memory (see `asyncwt._vllm.adapters`).
 
 Nothing here runs when asyncwt is imported: vLLM is imported by `register()` only.
 """
@@ -82,6 +83,7 @@ def register() -> None:
 
     from .. import _registry
     from .._worker.engine import DeferredWorkerEngine
+    from .adapters import resolve_adapters_by_name, serve_adapters_from_memory
 
     names = []
     for backend in asyncwt.registered_backends()["worker"]:
@@ -89,6 +91,8 @@ def register() -> None:
         if issubclass(cls, DeferredWorkerEngine) and backend in _registry._TRAINER_ENGINES:
             names.append(register_backend(backend))
     reset_caches_after_rounds()
+    serve_adapters_from_memory()
+    resolve_adapters_by_name()
     logger.debug("asyncwt registered its vLLM weight-transfer backends: %s", ", ".join(names))
 
 

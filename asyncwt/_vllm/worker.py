@@ -20,6 +20,10 @@ What a round does inside vLLM, on each worker:
 - `finish_weight_update`: the round is published as asyncwt's engine publishes it.
   The plugin then resets vLLM's prefix cache (see `asyncwt._vllm.plugin`).
 
+An adapter round (an `AdapterSource`) receives the adapter's tensors beside the model,
+which it leaves alone, and publishes them for vLLM's LoRA loader to read from memory
+(see `asyncwt._vllm.adapters`).
+
 The whole reload runs inside `update_weights`, one call of vLLM's engine core: its
 scheduler runs no model step during an engine call, so a step never meets a layer
 being reloaded (vLLM's layerwise reload leaves meta tensors behind until a layer is
@@ -39,11 +43,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._core.errors import AsyncwtError, TransferError
+from .._core.adapter import AdapterConfig
+from .._core.errors import AsyncwtError, PlanMismatchError, TransferError
+from .._core.plan import TransferPlan
 from .._core.settings import RoundUpdateInfo
 from .._trainer.lanes import wait_for_stream
 from .._worker.base import WeightTransferConfig
 from .._worker.engine import DeferredWorkerEngine
+from .adapters import publish
 
 __all__ = ["VLLM_BACKEND_PREFIX", "VllmRoundMixin", "vllm_backend_name", "vllm_worker_engine_class"]
 
@@ -130,6 +137,10 @@ class VllmRoundMixin(DeferredWorkerEngine):
         weights (all of them arrived) or the previous ones (see `_end_layerwise`), and
         the round cannot be finished.
         """
+        if self._adapter is not None:  # an adapter round leaves the model alone
+            super().receive_weights(update_info)
+            self.drain_pending()
+            return
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -161,6 +172,27 @@ class VllmRoundMixin(DeferredWorkerEngine):
         if failure is not None:
             raise TransferError(f"the round did not complete: {failure}") from failure
         super().finish_weight_update(weight_version)
+
+    def check_adapter(self, plan: TransferPlan, config: AdapterConfig) -> None:
+        """Refuse an adapter round on a vLLM that serves no LoRA adapters, or one whose
+        rank exceeds vLLM's `max_lora_rank`; vLLM checks the rest when it loads it."""
+        lora = getattr(self.vllm_config, "lora_config", None)
+        if lora is None:
+            raise PlanMismatchError(
+                f"adapter {config.name!r}: this vLLM serves no LoRA adapters; start it with "
+                f"--enable-lora (LLM(enable_lora=True))"
+            )
+        if config.r > lora.max_lora_rank:
+            raise PlanMismatchError(
+                f"adapter {config.name!r}: rank {config.r} should be at most vLLM's "
+                f"max_lora_rank={lora.max_lora_rank} (--max-lora-rank)"
+            )
+
+    def install_adapter(self, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve the adapter from memory: vLLM drops its adapters after every round
+        and loads this one again for the next request naming `adapter_path(name)`
+        (see `asyncwt._vllm.adapters`)."""
+        publish(config, tensors)
 
     def shutdown(self) -> None:
         """Release the trainer connection; the engine stays usable for a new init.

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._core.adapter import AdapterConfig
 from .._core.bytes import byte_view
 from .._core.errors import (
     ApplyError,
@@ -31,6 +32,7 @@ from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
 from .._delta.receiver import WorkerDelta
 from .._trainer.lanes import staging_buffer
 from .._transports.base import LandingTarget, ReceiverTransport
+from .adapters import AdapterCollector, LoraHooks
 from .applier import DeferredApplier, ModelTarget, weights_loader
 from .base import WeightTransferConfig, WeightTransferEngine
 
@@ -217,6 +219,9 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         """Held while a round is received: a late call waits for an aborted one to end."""
         self._delta: WorkerDelta | None = None
         """The previous version's bytes, when the trainer sends delta rounds."""
+        self._adapter: tuple[AdapterConfig, AdapterCollector] | None = None
+        """The adapter the trainer sends (an `AdapterSource`), and where it lands."""
+        self._lora: LoraHooks | None = None
 
     @abstractmethod
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
@@ -280,10 +285,16 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         else:
             receiver = self.make_receiver(init_info, plan)
         delta = WorkerDelta(plan) if getattr(init_info, "delta", False) else None
-        target = self._resolve(self.model, plan, receiver, delta, partial=init_info.partial)
+        adapter = None
+        if init_info.adapter_config is not None:  # adapter rounds land beside the model
+            self.check_adapter(plan, init_info.adapter_config)
+            adapter = (init_info.adapter_config, AdapterCollector(plan))
+        landing = self.model if adapter is None else adapter[1]
+        target = self._resolve(landing, plan, receiver, delta, partial=init_info.partial)
         receiver.connect()
         old, self.receiver = self.receiver, receiver
         self._plan, self._target, self._delta = plan, target, delta
+        self._adapter = adapter
         self._last_round = self._received_round = 0
         self._round_error = None
         self._trainer_id = init_info.trainer_id
@@ -424,6 +435,15 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
                     f"round {round_id}: moving the staged weights into the model failed: "
                     f"{type(exc).__name__}: {exc}; {self._outcome()}"
                 ) from exc
+        if self._adapter is not None:
+            config, collected = self._adapter
+            try:
+                self.install_adapter(config, collected.take())
+            except Exception as exc:
+                raise ApplyError(
+                    f"round {round_id}: installing adapter {config.name!r} failed: "
+                    f"{type(exc).__name__}: {exc}; the previous adapter stays in use"
+                ) from exc
         self.weight_version = weight_version
         self.untouched_params = target.untouched if target is not None else ()
         self.weights_incomplete = False
@@ -448,6 +468,33 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         except ApplyError as exc:  # reported already, or belongs to an abandoned round
             logger.debug("dropping an error from an abandoned round: %r", exc)
 
+    # -- adapters -----------------------------------------------------------------------
+
+    def check_adapter(self, plan: TransferPlan, config: AdapterConfig) -> None:
+        """Refuse (`PlanMismatchError`) an adapter that does not fit the model, at init."""
+        self._lora_hooks().check(plan, config)
+
+    def install_adapter(self, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve adapter `config` with `tensors` (this worker's own copies) from now on.
+
+        asyncwt's worker applies it on top of its model's linear layers, in place of
+        the previous adapter (see `asyncwt._worker.adapters`); vLLM's engine installs
+        it in vLLM's LoRA manager instead.
+        """
+        self._lora_hooks().apply(config, tensors)
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The name of the adapter applied on top of the model (None: none)."""
+        return None if self._lora is None else self._lora.name
+
+    def _lora_hooks(self) -> LoraHooks:
+        if self._lora is None or self._lora.model is not self.model:
+            if self._lora is not None:
+                self._lora.remove()
+            self._lora = LoraHooks(self.model)
+        return self._lora
+
     @property
     def round_bytes(self) -> int | None:
         """Payload bytes of one round (the plan's), None before the init."""
@@ -469,14 +516,14 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
-        if self._plan is not None and self.receiver is not None:
+        if self._plan is not None and self.receiver is not None and self._adapter is None:
             self._target = self._resolve(
                 model, self._plan, self.receiver, self._delta, partial=self._partial
             )
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
-        if self._plan is not None and self.receiver is not None:
+        if self._plan is not None and self.receiver is not None and self._adapter is None:
             self._target = self._resolve(
                 self.model, self._plan, self.receiver, self._delta, partial=self._partial
             )
