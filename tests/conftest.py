@@ -37,6 +37,7 @@ SLOW_MARKS = ("cuda", "ray", "vllm")
 cuda tests (skipped here, so the spy cannot sort them) run on the GPU machine only."""
 SPAWNING_FIXTURES = frozenset(
     {
+        "tests/test_adapter.py::worker_url",
         "tests/test_backends.py::mixed_worker",
         "tests/test_backends.py::second_mixed_worker",
         "tests/test_bench.py::tiny_run",
