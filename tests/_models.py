@@ -11,6 +11,7 @@ import copy
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -138,3 +139,22 @@ def mixed_reading_the_ring() -> nn.Module:
 
     _cma.probe_reads = lambda probe: "the test made this worker read the ring"
     return Mixed()
+
+
+class AcceptingClient:
+    """A control plane that accepts every call and does nothing (for engines whose
+    worker side a test fakes, or ranks other than 0 that never call it)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+def two_linears() -> nn.Module:
+    """A small seeded model: two linear layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))

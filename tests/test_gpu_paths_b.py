@@ -19,6 +19,8 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from _models import AcceptingClient as _Client
+from _models import two_linears as _model
 
 from asyncwt import (
     ModuleSource,
@@ -43,23 +45,6 @@ from asyncwt._transports.shm import backend as shm_backend
 from asyncwt._worker.applier import ModelTarget
 
 BUCKET_BYTES = 4096
-
-
-class _Client:
-    """A control plane that accepts everything."""
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-
-    def start_weight_update(self) -> None: ...
-
-    def update_weights(self, update_info: dict[str, Any]) -> None: ...
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
 
 
 # -- a recording fake of torch.cuda ------------------------------------------------------
