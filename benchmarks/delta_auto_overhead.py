@@ -54,7 +54,7 @@ async def run(args: argparse.Namespace, urls: dict[str, str], model: torch.nn.Mo
             for kind in ("auto", "twin")
         }
         full_ms = 1e3 * statistics.median(seconds["full"])
-        copy = engines["auto"].transport.delta.state.host_bytes  # type: ignore[attr-defined]
+        copy = engines["auto"].transport.state.host_bytes  # type: ignore[attr-defined]
         print(
             f"{args.backend}, {args.rounds} rounds of {full_ms:.1f} ms (full, median): "
             f"auto / full {ratio['auto']:.3f}x, twin / full {ratio['twin']:.3f}x (the noise); "

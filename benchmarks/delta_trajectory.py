@@ -201,7 +201,7 @@ async def run_lr(
                 (status,) = await client.weights_status(checksum=True)
                 exact &= status["checksum"] == expected and status["weight_version"] == version
             full_s = stats["full"].wall_s
-            encode_s = engines["always"].transport.delta.round_encode_s  # type: ignore[union-attr]
+            encode_s = engines["always"].transport.round_encode_s  # type: ignore[union-attr]
             row = {
                 "step": step,
                 "loss": loss,
@@ -232,7 +232,7 @@ async def run_lr(
                 flush=True,
             )
         host_bytes = {
-            kind: engines[kind].transport.delta.state.host_bytes  # type: ignore[union-attr]
+            kind: engines[kind].transport.state.host_bytes  # type: ignore[union-attr]
             for kind in ("always", "auto")
         }
     finally:

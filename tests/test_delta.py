@@ -416,7 +416,7 @@ async def digest_failure_then_full(urls: list[str], info: TrainerInitInfo) -> No
                     for s in bucket.slices
                 ]
             )
-            copy = engine.transport.delta.state._copy  # type: ignore[attr-defined]
+            copy = engine.transport.state._copy  # type: ignore[attr-defined]
             copy[: bucket.payload_bytes] = new
             with pytest.raises(AsyncwtError, match=r"does not match the trainer's digest"):
                 await engine.send_weights(weight_version="bad")
@@ -447,7 +447,7 @@ async def test_a_zsparse_bomb_fails_its_round_before_decompressing_and_the_next_
         engine = await trainer_init(delta_info(), client=client, source=ModuleSource(model))
         async with engine:
             await engine.send_weights(weight_version="v0")
-            state = engine.transport.delta.state  # type: ignore[attr-defined]
+            state = engine.transport.state  # type: ignore[attr-defined]
             coder = state.encode
             bucket = engine.plan.buckets[0]
             units = bucket.payload_bytes // unit_of(bucket)

@@ -47,6 +47,7 @@ from asyncwt import (
     trainer_init,
 )
 from asyncwt._cli.launch import worker_process
+from asyncwt._delta.links import DeltaLinks
 from asyncwt._transports.link import Peer
 from asyncwt._transports.shm.backend import ShmSender
 
@@ -69,9 +70,14 @@ def shm_delta_info(**kwargs: object) -> ShmTrainerInitInfo:
 
 
 def _sender(engine: object) -> ShmSender:
-    sender = engine.transport  # type: ignore[attr-defined]
-    assert isinstance(sender, ShmSender)
-    return sender
+    """The shm sender inside the delta layer that is the engine's transport."""
+    return _inner(engine.transport)  # type: ignore[attr-defined]
+
+
+def _inner(transport: object) -> ShmSender:
+    assert isinstance(transport, DeltaLinks)
+    assert isinstance(transport.inner, ShmSender)
+    return transport.inner
 
 
 @uvloop_only
@@ -80,8 +86,7 @@ async def test_shm_delta_rounds_are_bit_exact_and_small(
     workers: Workers, direct_reads: bool
 ) -> None:
     info = shm_delta_info(delta_full_every=4, direct_reads=direct_reads)
-    sender = await delta_trajectory([url for _, url in workers], info)
-    assert isinstance(sender, ShmSender)
+    sender = _inner(await delta_trajectory([url for _, url in workers], info))
     assert [p.reads_directly for p in sender.links.peers] == [direct_reads] * 2
 
 

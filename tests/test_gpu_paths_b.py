@@ -346,7 +346,7 @@ def test_delta_buckets_are_scattered_into_gpu_parameters_without_a_host_shadow(
     coded = encode(new, torch.cat(old), unit_of(bucket))
     assert isinstance(coded.body, bytes) and len(coded.body) < bucket.payload_bytes // 2
     body = torch.frombuffer(bytearray(coded.body), dtype=torch.uint8)
-    run = delta.prepare(applied, ReceivedBucket(bucket, body, lambda: None, coded=coded.header))
+    run = delta.prepare(applied, ReceivedBucket(bucket, body, lambda: None, header=coded.header))
     assert run is not None
     run()
     assert all(torch.equal(a, b) for a, b in zip(segments(), new))

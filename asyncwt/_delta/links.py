@@ -1,53 +1,65 @@
-"""Delta rounds over the link: which worker gets which frame, and what went on the wire.
+"""Delta rounds as a layer around a linked sender: which worker gets which frame,
+and what went on the wire.
 
-A sender whose workers are linked to it (`"tcp"`, `"shm"`) hands each bucket here
-when `delta=True`, with its own way to send the bucket in full to some workers
-(`Plain`: a BUCKET frame on the socket for tcp; a ring slot or the bucket's
-addresses for shm). A worker that holds the copy's round gets a DELTA frame
-inline on its link (the bucket coded by `DeltaSender`, with its digest) where the
-coding is smaller than the payload; any other worker, and every worker when the
-bucket codes `RAW`, gets the bucket the plain way, so it lands exactly as in a
-full round. The copy is updated in both cases (in a thread, while the bucket goes
-out when nothing is coded and the sender allows it).
+`DeltaLinks` wraps the sender of a backend whose workers are linked to it (`"tcp"`,
+`"shm"`) and is the engine's transport when `delta=True` (`delta_sender`). A
+worker whose READY says it holds the copy's round gets a DELTA frame inline on its
+link (the bucket coded by `DeltaSender`, with its digest) where the coding is
+smaller than the payload; any other worker, and every worker when the bucket codes
+`RAW`, gets the bucket from the wrapped sender (`send_bucket_to`: a BUCKET frame on
+the socket for tcp; a ring slot or the bucket's addresses for shm), so it lands
+exactly as in a full round. The copy is updated in both cases (in a thread, while
+the bucket goes out when nothing is coded and the sender allows it). The link
+carries READY's held round and the DELTA frames without reading either.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import anyio
 import anyio.to_thread
+import torch
 
-from .._core.bytes import byte_view
 from .._core.concurrency import single_error
-from .._core.plan import Bucket, TransferPlan
-from .._transports.base import Segment, Settle
-from .._transports.link import Peer, TrainerLinks
+from .._core.plan import Bucket
+from .._transports.base import InitWorkers, Segment, SenderTransport, Settle
+from .._transports.link import LinkedSender, Peer
+from .._transports.link_settings import LinkedTrainerInfo
 from .._transports.wire import FrameKind
 from .codec import Encoding
 from .sender import DeltaSender
 
-if TYPE_CHECKING:
-    from .._transports.link_settings import LinkedTrainerInfo
-
-__all__ = ["DeltaLinks", "Plain"]
-
-Plain = Callable[[list[Peer]], Awaitable[Settle | None]]
-"""Send the bucket in full to these workers, the backend's usual way; may leave it
-in flight (a `Settle`, see `SenderTransport.send_bucket`)."""
+__all__ = ["DeltaLinks", "delta_sender"]
 
 
-class DeltaLinks:
-    """Per round: the workers that get deltas; per bucket: the frames each gets."""
+def delta_sender(transport: SenderTransport, info: object) -> DeltaLinks:
+    """`transport` sending delta rounds as `info` (a `LinkedTrainerInfo`) asks for
+    them: its delta settings are read here only. `transport` must be a linked
+    sender that can send a bucket to some of its workers (tcp's star, shm)."""
+    if not isinstance(info, LinkedTrainerInfo):
+        raise TypeError(
+            f"info should be a LinkedTrainerInfo (a backend over the trainer's links), "
+            f"got {type(info).__name__}"
+        )
+    if not isinstance(transport, LinkedSender):
+        raise ValueError(
+            f"delta should be False for a {type(transport).__name__} (delta rounds go "
+            f"over the trainer's links: tcp's star or shm), got True"
+        )
+    return DeltaLinks(transport, full_every=info.delta_full_every, policy=info.delta_policy)
 
-    def __init__(
-        self, links: TrainerLinks, plan: TransferPlan, *, full_every: int, policy: str
-    ) -> None:
-        self.links = links
-        self.links.delta = True
-        self.state = DeltaSender(plan, full_every=full_every, policy=policy)
+
+class DeltaLinks(SenderTransport):
+    """A linked sender's rounds as deltas: per round, the workers that get them; per
+    bucket, the frames each gets. Everything else is the wrapped sender's."""
+
+    def __init__(self, inner: LinkedSender, *, full_every: int, policy: str) -> None:
+        self.inner = inner
+        self.links = inner.links
+        self.links.accept_held()  # READY names the round a worker holds
+        self.state = DeltaSender(inner.links.plan, full_every=full_every, policy=policy)
         self._deltas: list[Peer] = []
         self._fulls: list[Peer] = []
         self._wire = 0
@@ -56,41 +68,56 @@ class DeltaLinks:
         payloads; the mean when workers got different frames)."""
         self.round_encode_s = 0.0
         """Seconds the last round spent coding buckets (before each went out)."""
+        self.min_view_bytes = inner.min_view_bytes
+        self.in_flight_buckets = inner.in_flight_buckets
+        self.own_staging = inner.own_staging
 
-    @classmethod
-    def of(
-        cls, links: TrainerLinks, plan: TransferPlan, info: LinkedTrainerInfo
-    ) -> DeltaLinks | None:
-        """Delta rounds over `links` as `info` asks for them (None without `delta`)."""
-        if not info.delta:
-            return None
-        return cls(links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
+    # -- what the wrapped sender does as it is ------------------------------------------
 
-    def begin_round(self, round_id: int) -> None:
-        """Choose, from every worker's READY, who gets deltas this round."""
+    def staging(self, slot: int) -> torch.Tensor | None:
+        return self.inner.staging(slot)
+
+    def prepare(self) -> None:
+        self.inner.prepare()
+
+    async def reclaim(self, slot: int) -> None:
+        await self.inner.reclaim(slot)
+
+    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
+        await self.inner.rendezvous(worker_fields, init_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return self.inner.num_workers
+
+    def check_usable(self) -> None:
+        self.inner.check_usable()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # -- rounds --------------------------------------------------------------------------
+
+    async def begin_round(self, round_id: int) -> None:
+        """Open the round on the wrapped sender, then choose, from every worker's
+        READY, who gets deltas."""
+        await self.inner.begin_round(round_id)
+        self.min_view_bytes = self.inner.min_view_bytes  # the round's, now it is open
         peers = self.links.peers
-        chosen = self.state.begin(round_id, [p.base for p in peers])
+        chosen = self.state.begin(round_id, [p.held for p in peers])
         self._deltas = [p for p, c in zip(peers, chosen) if c]
         self._fulls = [p for p, c in zip(peers, chosen) if not c]
         self._wire = 0
         self.round_encode_s = 0.0
 
     async def send_bucket(
-        self,
-        bucket: Bucket,
-        segments: Sequence[Segment],
-        plain: Plain | None = None,
-        *,
-        keep_beside: bool = True,
+        self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Send `bucket` to every worker, coded to those that hold the copy's round.
-
-        `plain` sends it in full (default: a BUCKET frame on each link). With
-        `keep_beside=False` the copy is updated before the plain send starts, not
-        beside it: for a sender whose `segments` may be rewritten as soon as the
-        workers have them (a ring slot they release).
-        """
-        send = plain if plain is not None else self._send_frames(bucket, segments)
+        """Send `bucket` to every worker, coded to those that hold the copy's round,
+        in full (the wrapped sender) to the others. Where the wrapped sender's
+        segments may be rewritten before its send returns (`segments_outlive_send`
+        false: a ring slot its readers release), the copy is updated before the
+        plain send starts, not beside it."""
         links = self.links
         state = self.state
         if self._deltas:
@@ -110,50 +137,39 @@ class DeltaLinks:
                 settled: list[Settle | None] = [None]
 
                 async def to_fulls() -> None:
-                    settled[0] = await send(self._fulls)
+                    settled[0] = await self.inner.send_bucket_to(
+                        bucket, slot, segments, self._fulls
+                    )
 
                 what = f"bucket {bucket.index}"
                 with single_error():
                     async with anyio.create_task_group() as tg:
-                        if self._fulls:
-                            tg.start_soon(to_fulls)
+                        tg.start_soon(to_fulls)  # with none, the sender lets the bucket go
                         await links.each(links.send_frame, delta_frame, what, among=self._deltas)
                 self._wire += nbytes * len(self._deltas) + bucket.payload_bytes * len(self._fulls)
                 return settled[0]
         elif not state.keeps_nothing:
-            if not keep_beside:
+            if not self.inner.segments_outlive_send:
                 await anyio.to_thread.run_sync(state.keep, bucket, segments)
             else:
                 with single_error():
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(anyio.to_thread.run_sync, state.keep, bucket, segments)
-                        settle = await self._timed(send, bucket)
+                        settle = await self._timed(bucket, slot, segments)
                 self._wire += bucket.payload_bytes * len(links.peers)
                 return settle
         # Every worker gets it in full: a full round that keeps no copy (as without
         # deltas), a bucket that coded RAW, or a copy already kept.
-        settle = await self._timed(send, bucket)
+        settle = await self._timed(bucket, slot, segments)
         self._wire += bucket.payload_bytes * len(links.peers)
         return settle
 
-    def _send_frames(self, bucket: Bucket, segments: Sequence[Segment]) -> Plain:
-        """The plain send of a bucket over the links: a BUCKET frame with its bytes."""
-        links = self.links
-        header = links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
-        frame = [memoryview(header.pack()), *map(byte_view, segments)]
-
-        async def send(peers: list[Peer]) -> Settle | None:
-            await links.each(links.send_frame, frame, f"bucket {bucket.index}", among=peers)
-            return None
-
-        return send
-
-    async def _timed(self, send: Plain, bucket: Bucket) -> Settle | None:
-        """`send` to every worker, measuring the wire's rate from how long the bucket
-        took to reach them all (until it settles, when it is left in flight)."""
+    async def _timed(self, bucket: Bucket, slot: int, segments: list[Segment]) -> Settle | None:
+        """The bucket in full to every worker, measuring the wire's rate from how long
+        it took to reach them all (until it settles, when it is left in flight)."""
         state = self.state
         started = time.perf_counter()
-        settle = await send(self.links.peers)
+        settle = await self.inner.send_bucket_to(bucket, slot, segments, self.links.peers)
         if settle is None:
             state.sent_raw(bucket.payload_bytes, time.perf_counter() - started)
             return None
@@ -165,12 +181,14 @@ class DeltaLinks:
 
         return timed
 
-    def end_round(self, round_id: int) -> None:
-        """Every bucket went out: the copy is of `round_id`."""
-        self.state.end(round_id)
+    async def end_round(self) -> None:
+        """Every bucket went out: the copy is of this round."""
+        await self.inner.end_round()
+        self.state.end(self.links.round_id)
         self.round_wire_bytes = self._wire // max(1, len(self.links.peers))
 
-    def abort_round(self) -> None:
+    async def abort_round(self, reason: str) -> None:
         """The round stopped part way: the copy is a mix; the next round is full."""
         self.state.abort()
         self.round_wire_bytes = self._wire // max(1, len(self.links.peers))
+        await self.inner.abort_round(reason)

@@ -33,7 +33,6 @@ import hmac
 import socket
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,9 +40,10 @@ from .._core.bytes import byte_view
 from .._core.cuda_sync import to_host
 from .._core.meta import ParamMeta
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._transports.base import LandingTarget, ReceivedBucket
+from .._transports.base import LandingTarget, ReceiveBuffers, ReceivedBucket, ReceiverTransport
+from .._transports.link import LinkedReceiver
 from .._transports.sockio import recv_exact, recv_segments
-from .._transports.wire import Frame
+from .._transports.wire import Frame, FrameKind
 from .._worker.applier import ModelTarget
 from .codec import (
     DELTA_HEADER_SIZE,
@@ -55,10 +55,7 @@ from .codec import (
     unit_of,
 )
 
-if TYPE_CHECKING:
-    from .._worker.engine import ReceivePool
-
-__all__ = ["DeltaDigestError", "WorkerDelta", "receive_delta"]
+__all__ = ["DeltaDigestError", "DeltaFrames", "WorkerDelta", "delta_receiver", "receive_delta"]
 
 
 class DeltaDigestError(ValueError):
@@ -66,7 +63,11 @@ class DeltaDigestError(ValueError):
 
 
 def receive_delta(
-    sock: socket.socket, frame: Frame, bucket: Bucket, pool: ReceivePool, target: LandingTarget
+    sock: socket.socket,
+    frame: Frame,
+    bucket: Bucket,
+    pool: ReceiveBuffers,
+    target: LandingTarget,
 ) -> ReceivedBucket:
     """Read a DELTA frame's header and body (its header checked first): a `RAW` body
     lands like a plain bucket (in place where it can), a coded one in a pool buffer."""
@@ -86,7 +87,46 @@ def receive_delta(
     except BaseException:
         release()
         raise
-    return ReceivedBucket(bucket, buffer, release, coded=header)
+    return ReceivedBucket(bucket, buffer, release, header=header)
+
+
+def delta_receiver(receiver: ReceiverTransport, plan: TransferPlan) -> WorkerDelta:
+    """Turn delta rounds on for `receiver` (before its `connect`): DELTA frames may
+    come on its link and its READY names the round this worker holds. Returns the
+    worker's side of the rounds, which the engine drives (`adapt`, `begin_receive`,
+    `prepare`, `published`)."""
+    if not isinstance(receiver, LinkedReceiver):
+        raise ValueError(
+            f"delta should be False for a {type(receiver).__name__} (delta rounds come "
+            f"over a worker link: tcp's star or shm), got True"
+        )
+    delta = WorkerDelta(plan)
+    receiver.add_codec(DeltaFrames(delta))
+    return delta
+
+
+class DeltaFrames:
+    """The link's codec for delta rounds (`asyncwt._transports.link.FrameCodec`):
+    DELTA frames, and READY naming the round the worker holds."""
+
+    kind = FrameKind.DELTA
+    overhead = DELTA_HEADER_SIZE
+
+    def __init__(self, delta: WorkerDelta) -> None:
+        self.delta = delta
+
+    def held(self) -> int:
+        return self.delta.announced
+
+    def receive(
+        self,
+        sock: socket.socket,
+        frame: Frame,
+        bucket: Bucket,
+        buffers: ReceiveBuffers,
+        target: LandingTarget,
+    ) -> ReceivedBucket:
+        return receive_delta(sock, frame, bucket, buffers, target)
 
 
 class WorkerDelta:
@@ -96,6 +136,9 @@ class WorkerDelta:
         self.plan = plan
         self.base_round = 0
         """The round whose bytes this worker holds completely (0: none)."""
+        self.announced = 0
+        """The round the current round's READY says this worker holds (see
+        `begin_receive`)."""
         self._shadow: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._units = [unit_of(b) for b in plan.buckets]
@@ -154,9 +197,10 @@ class WorkerDelta:
             return sum(t.numel() for t in self._shadow.values())
 
     def begin_receive(self) -> int:
-        """A round starts writing: return the round held until now, and forget it."""
-        base, self.base_round = self.base_round, 0
-        return base
+        """A round starts writing: return the round held until now (which its READY
+        announces), and forget it."""
+        self.announced, self.base_round = self.base_round, 0
+        return self.announced
 
     def published(self, round_id: int) -> None:
         """Round `round_id` is applied completely: its bytes are the base now."""
@@ -169,7 +213,7 @@ class WorkerDelta:
         the next base; returns the buffer to apply from. `None`: nothing to do (a
         plain bucket that landed in place entirely)."""
         bucket = received.bucket
-        header = received.coded
+        header = received.header
         assert header is None or isinstance(header, DeltaHeader)
         kept = [target.direct[s.param] for s in bucket.slices]
         if (

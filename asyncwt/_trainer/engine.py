@@ -26,6 +26,7 @@ from .._core.plan import TransferPlan
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
+from .._delta.links import delta_sender
 from .._transports.base import SenderTransport
 from .base import TrainerInitInfo, TrainerWeightTransferEngine
 from .lanes import DeviceLane, LaneEvent
@@ -183,6 +184,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         engine = cls(init_info, client=client, source=source, plan=plan, device=device)
         if init_info.is_sender:
             transport = cls.make_transport(init_info, plan, device)
+            if getattr(init_info, "delta", False):  # a layer around the backend's sender
+                transport = delta_sender(transport, init_info)
             fields = engine.worker_init_fields()
 
             async def init_workers(init_info: dict[str, Any]) -> None:

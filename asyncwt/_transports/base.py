@@ -21,6 +21,7 @@ from .._core.plan import Bucket
 __all__ = [
     "InitWorkers",
     "LandingTarget",
+    "ReceiveBuffers",
     "ReceivedBucket",
     "ReceiverTransport",
     "Segment",
@@ -149,9 +150,25 @@ class ReceivedBucket:
     """Bytes of the slices not received in place, at their plan offsets."""
     release: Callable[[], None]
     """Call when the last reader of `buffer` is done."""
-    coded: object | None = None
-    """The bucket's delta header (`asyncwt._delta.codec.DeltaHeader`) when it came
-    as a DELTA frame: `buffer` then holds its body, unless the body is raw."""
+    header: object | None = None
+    """Opaque to the transport: what a codec layer read with a bucket it coded
+    (`asyncwt._transports.link.FrameCodec`), for the same layer's apply step;
+    `buffer` then holds what the codec says. None for a plain bucket."""
+
+
+class ReceiveBuffers(Protocol):
+    """The worker's receive buffers, as a receiver (or a codec layer) uses them."""
+
+    def take(self) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A free bucket-sized buffer and the function that releases it."""
+        ...
+
+    def landing(
+        self, bucket: Bucket, target: LandingTarget
+    ) -> tuple[torch.Tensor | None, Callable[[], None], list[memoryview]]:
+        """Where each slice of `bucket` is received (in place where `target` allows),
+        the buffer taken for the rest (or None), and its release."""
+        ...
 
 
 class ReceiverTransport(ABC):
@@ -161,10 +178,6 @@ class ReceiverTransport(ABC):
     """Whether it may write a parameter's bytes straight into the model (where the
     model takes them as they are); else every bucket arrives in a buffer it owns
     and the applier copies out of it. Known once the receiver is made."""
-
-    delta_base: int = 0
-    """With delta rounds: the round whose bytes this worker holds (0: none), which
-    the next `receive_round` announces to the trainer. Set by the engine."""
 
     @abstractmethod
     def connect(self) -> None:

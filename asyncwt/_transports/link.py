@@ -17,7 +17,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -30,12 +30,20 @@ from .._core.errors import (
     TransferTimeoutError,
 )
 from .._core.plan import Bucket, TransferPlan
-from .base import InitWorkers, SenderTransport
+from .base import (
+    InitWorkers,
+    LandingTarget,
+    ReceiveBuffers,
+    ReceivedBucket,
+    ReceiverTransport,
+    Segment,
+    SenderTransport,
+    Settle,
+)
 from .sockio import async_recv_exact, async_send_segments, recv_exact, send_all
 from .wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
-    DELTA_HEADER_BYTES,
     FRAME_SIZE,
     HELLO_SIZE,
     PROOF_SIZE,
@@ -54,11 +62,10 @@ from .wire import (
     verify_challenge,
 )
 
-if TYPE_CHECKING:
-    from .._delta.links import DeltaLinks
-
 __all__ = [
+    "FrameCodec",
     "LinkSettings",
+    "LinkedReceiver",
     "LinkedSender",
     "Peer",
     "TrainerLinks",
@@ -96,8 +103,9 @@ class Peer:
     reads_directly: bool = False
     """Whether its last READY said it reads buckets from this process's memory
     (BUCKET_AT frames, same host) rather than from a shared ring."""
-    base: int = 0
-    """The round whose bytes it said (READY) it holds, low 32 bits; 0: none."""
+    held: int = 0
+    """What its last READY said it holds (the frame's `index`, 32 bits): opaque to
+    the link, 0 unless a codec layer above declared it reads it (`accept_held`)."""
 
     def close(self, why: str) -> None:
         if self.broken is None:
@@ -119,8 +127,13 @@ class TrainerLinks:
         self.direct_reads = False
         """Whether workers may read buckets from this process's memory: READY's
         `slot` 1 says a worker does (see `Peer.reads_directly`)."""
-        self.delta = False
-        """Whether READY may name the round a worker holds (delta rounds)."""
+        self.carries_held = False
+        """Whether READY may carry a held value (`Peer.held`); see `accept_held`."""
+
+    def accept_held(self) -> None:
+        """Let READY carry a nonzero held value from now on: a codec layer above the
+        link reads it from `Peer.held` (without one, it is a protocol error)."""
+        self.carries_held = True
 
     # -- init -------------------------------------------------------------------------
 
@@ -357,7 +370,7 @@ class TrainerLinks:
                 peer, f"released bucket {frame.index}; the plan has {len(self.plan.buckets)}"
             )
         if frame.kind == FrameKind.READY and (
-            (frame.index and not self.delta) or frame.slot > self.direct_reads
+            (frame.index and not self.carries_held) or frame.slot > self.direct_reads
         ):
             raise self.protocol_error(
                 peer,
@@ -401,7 +414,7 @@ class TrainerLinks:
                         )
                     if frame.round_id == round_id:
                         peer.reads_directly = frame.slot == 1
-                        peer.base = frame.index
+                        peer.held = frame.index
                         return
         except TimeoutError:
             peer.close("did not start receiving")
@@ -461,20 +474,16 @@ class LinkedSender(SenderTransport):
     on_release: Callable[[Peer, Frame], None] | None = None
     """Takes RELEASE frames that come while the round waits for READY (a ring's
     senders); without it they are a protocol error."""
-    delta: DeltaLinks | None = None
-    """Delta rounds (`delta=True`, see `asyncwt._delta.links`): a subclass that
-    sends them sets it and hands its buckets to it."""
+    segments_outlive_send: bool = True
+    """Whether a bucket's segments stay as they are until `send_bucket_to` returns
+    (a layer around this sender may read them beside the send); false where a
+    worker's release lets them be rewritten sooner (a ring slot)."""
 
     def __init__(self, settings: LinkSettings, plan: TransferPlan) -> None:
         self.links = TrainerLinks(settings, plan)
 
     async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
         await self.links.rendezvous(worker_fields, init_workers)
-
-    @property
-    def round_wire_bytes(self) -> int | None:
-        """Bytes on the wire to each worker in the last round (delta rounds), else None."""
-        return self.delta.round_wire_bytes if self.delta is not None else None
 
     @property
     def num_workers(self) -> int:
@@ -485,17 +494,22 @@ class LinkedSender(SenderTransport):
 
     async def begin_round(self, round_id: int) -> None:
         await self.links.wait_ready(round_id, self.on_release)
-        if self.delta is not None:
-            self.delta.begin_round(round_id)
+
+    async def send_bucket_to(
+        self, bucket: Bucket, slot: int, segments: list[Segment], peers: list[Peer]
+    ) -> Settle | None:
+        """`send_bucket`, to `peers` only: a layer around this sender (a codec) sent
+        the bucket to the others its own way. Called once per bucket, `peers` maybe
+        empty (the sender then only lets go of what it held for the bucket). A sender
+        that a layer may wrap implements it (tcp's and shm's)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} sends every bucket to every worker (no send_bucket_to)"
+        )
 
     async def end_round(self) -> None:
         await self.links.end_round()
-        if self.delta is not None:
-            self.delta.end_round(self.links.round_id)
 
     async def abort_round(self, reason: str) -> None:
-        if self.delta is not None:
-            self.delta.abort_round()
         await self.links.abort_round(reason)
 
     def close(self) -> None:
@@ -553,13 +567,13 @@ def connect_link(
     return sock
 
 
-def check_delta_frame(round_id: int, bucket: Bucket, frame: Frame) -> None:
-    """A DELTA frame's length is bounded by the bucket's payload and a delta header."""
-    if not DELTA_HEADER_BYTES <= frame.nbytes <= bucket.payload_bytes + DELTA_HEADER_BYTES:
+def _check_coded(round_id: int, bucket: Bucket, frame: Frame, overhead: int) -> None:
+    """A codec frame's length is bounded by the bucket's payload and the codec's header."""
+    if not overhead <= frame.nbytes <= bucket.payload_bytes + overhead:
         raise ProtocolError(
-            f"round {round_id}: a delta of bucket {bucket.index} should carry "
-            f"{DELTA_HEADER_BYTES} to {bucket.payload_bytes + DELTA_HEADER_BYTES} bytes, "
-            f"the header says {frame.nbytes}"
+            f"round {round_id}: a {frame.kind.name} frame of bucket {bucket.index} should "
+            f"carry {overhead} to {bucket.payload_bytes + overhead} bytes, the header says "
+            f"{frame.nbytes}"
         )
 
 
@@ -570,6 +584,47 @@ def read_abort_reason(sock: socket.socket, frame: Frame) -> str:
             f"ABORT reason should be at most {ABORT_REASON_MAX} bytes, header says {frame.nbytes}"
         )
     return recv_exact(sock, frame.nbytes).decode("utf-8", "replace")
+
+
+class FrameCodec(Protocol):
+    """A layer that sends some buckets coded, as frames of its own `kind`, on the
+    link (a bucket coded against what a worker holds, say). The link checks such a frame's header
+    like a bucket's, with a payload of `overhead` to `overhead` + the bucket's
+    payload bytes, and hands it to `receive`; READY carries `held()`, which the
+    link does not interpret."""
+
+    @property
+    def kind(self) -> FrameKind: ...
+
+    @property
+    def overhead(self) -> int: ...
+
+    def held(self) -> int:
+        """What READY tells the trainer this worker holds (32 bits)."""
+        ...
+
+    def receive(
+        self,
+        sock: socket.socket,
+        frame: Frame,
+        bucket: Bucket,
+        buffers: ReceiveBuffers,
+        target: LandingTarget,
+    ) -> ReceivedBucket:
+        """Read the coded bucket `frame` announces from `sock` (its header checked)."""
+        ...
+
+
+class LinkedReceiver(ReceiverTransport):
+    """A receiver whose rounds come over a `WorkerLink` (tcp, shm): a codec layer may
+    add its frames to it (`add_codec`, before `connect`)."""
+
+    codec: FrameCodec | None = None
+    """The codec layer whose frames may come on the link, if any."""
+
+    def add_codec(self, codec: FrameCodec) -> None:
+        """Take `codec`'s frames on the link from the next `connect` on."""
+        self.codec = codec
 
 
 class WorkerLink:
@@ -590,7 +645,7 @@ class WorkerLink:
         *,
         slots: int = 1,
         reads_directly: bool = False,
-        delta: bool = False,
+        codec: FrameCodec | None = None,
     ) -> None:
         self.sock = sock
         self.plan = plan
@@ -599,8 +654,8 @@ class WorkerLink:
         self.reads_directly = reads_directly
         self.bucket_kind = FrameKind.BUCKET_AT if reads_directly else FrameKind.BUCKET
         self.digest = digest_prefix(plan.digest)
-        self.delta = delta
-        """Whether DELTA frames may come (see `asyncwt._delta`)."""
+        self.codec = codec
+        """The codec layer whose frames may come besides bucket frames, if any."""
         self.broken = False
         self.bucket: int | None = None
         """The bucket being received (for error messages), or None between buckets."""
@@ -614,20 +669,21 @@ class WorkerLink:
             send_all(self.sock, frame.pack())
 
     def frames(
-        self, round_id: int, after_ready: Callable[[], object] | None = None, *, base: int = 0
+        self, round_id: int, after_ready: Callable[[], object] | None = None
     ) -> Iterator[Frame]:
         """Announce `round_id` (READY) and yield its BUCKET headers, in order, until END.
 
         `after_ready` runs once READY is sent (the trainer may now wait on a
         collective). The caller reads each bucket's payload before asking for the
         next frame. Every header is checked against the plan before anything else
-        is read. With `delta`, READY names the round `base` this worker holds, and
-        DELTA frames may come instead of bucket frames.
+        is read. With a `codec`, READY carries its `held()` value, and its frames
+        may come instead of bucket frames (`coded` reads them).
         """
         plan = self.plan
         self.sock.settimeout(self.recv_timeout)
         self.bucket, self.next_bucket = None, 0
-        held = base & 0xFFFFFFFF if self.delta else 0
+        codec = self.codec
+        held = codec.held() & 0xFFFFFFFF if codec is not None else 0
         self.send(Frame(FrameKind.READY, round_id, held, self.digest, 0, int(self.reads_directly)))
         if after_ready is not None:
             after_ready()
@@ -661,8 +717,8 @@ class WorkerLink:
                         f"{frame.nbytes} bytes in slot {frame.slot}"
                     )
                 return
-            delta = frame.kind == FrameKind.DELTA and self.delta
-            if frame.kind != self.bucket_kind and not delta:
+            coded = codec is not None and frame.kind == codec.kind
+            if frame.kind != self.bucket_kind and not coded:
                 raise ProtocolError(
                     f"round {round_id}: unexpected {frame.kind.name} frame (this worker takes "
                     f"{self.bucket_kind.name})"
@@ -672,8 +728,9 @@ class WorkerLink:
                     f"round {round_id}: expected bucket {expected}, got bucket {frame.index}"
                 )
             bucket = plan.buckets[expected]
-            if delta:
-                check_delta_frame(round_id, bucket, frame)
+            if coded:
+                assert codec is not None
+                _check_coded(round_id, bucket, frame, codec.overhead)
             elif frame.nbytes != bucket.payload_bytes:
                 raise ProtocolError(
                     f"round {round_id}: bucket {expected} should carry {bucket.payload_bytes} "
@@ -687,6 +744,16 @@ class WorkerLink:
             self.bucket = expected
             yield frame
             expected += 1
+
+    def coded(
+        self, frame: Frame, buffers: ReceiveBuffers, target: LandingTarget
+    ) -> ReceivedBucket | None:
+        """The bucket a codec frame from `frames` carries, read by the codec; None for
+        a bucket frame (the receiver reads its payload)."""
+        codec = self.codec
+        if codec is None or frame.kind != codec.kind:
+            return None
+        return codec.receive(self.sock, frame, self.plan.buckets[frame.index], buffers, target)
 
     def guard(self, round_id: int) -> contextlib.AbstractContextManager[None]:
         """Map socket failures of a round to typed errors; mark the link broken on them."""

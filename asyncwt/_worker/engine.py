@@ -29,7 +29,7 @@ from .._core.errors import (
 )
 from .._core.plan import Bucket, TransferPlan
 from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
-from .._delta.receiver import WorkerDelta
+from .._delta.receiver import WorkerDelta, delta_receiver
 from .._trainer.lanes import staging_buffer
 from .._transports.base import LandingTarget, ReceiverTransport
 from .adapters import AdapterCollector, LoraHooks
@@ -284,7 +284,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
             receiver, plan = owners_receiver(self, init_info)
         else:
             receiver = self.make_receiver(init_info, plan)
-        delta = WorkerDelta(plan) if getattr(init_info, "delta", False) else None
+        delta = delta_receiver(receiver, plan) if getattr(init_info, "delta", False) else None
         adapter = None
         if init_info.adapter_config is not None:  # adapter rounds land beside the model
             self.check_adapter(plan, init_info.adapter_config)
@@ -350,7 +350,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         delta = self._delta
         base = 0
         if delta is not None:
-            base = receiver.delta_base = delta.begin_receive()
+            base = delta.begin_receive()  # the round its READY names (see `DeltaFrames`)
         landing = _Landing(target, live=target.commit is None, engine=self)
         try:
             applied = delta.applied(target) if delta is not None else target

@@ -22,9 +22,10 @@ owner-only, and unlinked as soon as every worker has mapped them. If one worker 
 a round reads from the ring, every bucket is packed into it (a worker that reads
 directly then reads the ring slot).
 
-With `delta=True` (see `asyncwt._delta.links`), a bucket coded smaller than its
-payload goes to each worker that gets a delta as a DELTA frame inline on its link:
-no addresses lent, no ring slot announced. A bucket that codes raw, and every
+With `delta=True` (a layer around this sender, see `asyncwt._delta.links`), a
+bucket coded smaller than its payload goes to each worker that gets a delta as a
+DELTA frame inline on its link: no addresses lent, no ring slot announced
+(`send_bucket_to` gets the other workers). A bucket that codes raw, and every
 bucket of a full round, goes the way above. The rate `delta_policy="auto"` weighs
 the encoder against is a direct read's (lent until read back); a ring bucket is
 packed before it is sent either way and its announce costs next to nothing, so
@@ -51,8 +52,6 @@ from ..._core.cuda_sync import HostRegistration
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import check_bool, check_int_in, check_u64
-from ..._delta.links import DeltaLinks
-from ..._delta.receiver import receive_delta
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
@@ -210,7 +209,6 @@ class ShmSender(RingSender):
         if info.direct_reads and _cma.supported():
             self.probe, self._probe_buffer = _cma.ReadProbe.create()
         self.links.direct_reads = self.probe is not None
-        self.delta = DeltaLinks.of(self.links, plan, info)
         self.read_streams = info.read_streams
         self.in_flight_buckets = info.num_buffers
         """Direct rounds lend up to this many buckets before the oldest is read
@@ -218,6 +216,7 @@ class ShmSender(RingSender):
         self.direct = False
         """Whether every worker of this round reads from this process's memory: then
         nothing is packed (`min_view_bytes` 0) and the ring is unused."""
+        self.segments_outlive_send = False
         self._readers: int | None = None
         """How many workers read directly, as last logged."""
         self.segments: list[shared_memory.SharedMemory] = []
@@ -308,6 +307,9 @@ class ShmSender(RingSender):
             self._readers = readers
         self.direct = readers == self.num_workers
         self.min_view_bytes = 0 if self.direct else None
+        # A ring slot may be packed again as soon as its readers release it: a layer
+        # reads a bucket's segments before it is announced, not beside.
+        self.segments_outlive_send = self.direct
 
     def staging(self, slot: int) -> torch.Tensor | None:
         return None if self.direct else super().staging(slot)
@@ -319,8 +321,12 @@ class ShmSender(RingSender):
     async def send_bucket(
         self, bucket: Bucket, slot: int, segments: list[Segment]
     ) -> Settle | None:
-        """Send `bucket` to every worker: in full (`_send_full`), or, with `delta`,
-        as a DELTA frame on the link to each worker that gets a delta of it.
+        return await self.send_bucket_to(bucket, slot, segments, self.links.peers)
+
+    async def send_bucket_to(
+        self, bucket: Bucket, slot: int, segments: list[Segment], peers: list[Peer]
+    ) -> Settle | None:
+        """Send `bucket` in full to `peers` (`_send_full`).
 
         Shielded from cancellation, each step bounded by `send_timeout` instead:
         `segments` may point into the source's tensors, which must stay as they are
@@ -328,19 +334,9 @@ class ShmSender(RingSender):
         released.
         """
         ring = self.bound.get(slot)  # bound until sent, then `pending` guards it
-
-        async def full(peers: list[Peer]) -> Settle | None:
-            return await self._send_full(bucket, ring, segments, peers)
-
         with anyio.CancelScope(shield=True):
             try:
-                if self.delta is None:
-                    return await full(self.links.peers)
-                # A ring slot may be packed again as soon as its readers release it:
-                # the copy is updated before it is announced, not beside.
-                settle = await self.delta.send_bucket(
-                    bucket, segments, full, keep_beside=self.direct
-                )
+                settle = await self._send_full(bucket, ring, segments, peers)
             finally:
                 self.bound.pop(slot, None)
         return settle
@@ -484,11 +480,12 @@ class ShmReceiver(RingReceiver):
     def received(
         self, link: WorkerLink, round_id: int, frame: Frame, target: LandingTarget
     ) -> ReceivedBucket:
-        """A delta inline on the link, a bucket read from the trainer's memory, or
-        a ring slot."""
+        """A codec's frame inline on the link (a delta), a bucket read from the
+        trainer's memory, or a ring slot."""
+        coded = link.coded(frame, self.pool, target)
+        if coded is not None:
+            return coded
         bucket = self.plan.buckets[frame.index]
-        if frame.kind == FrameKind.DELTA:
-            return receive_delta(link.sock, frame, bucket, self.pool, target)
         if not self.reads_directly:
             return super().received(link, round_id, frame, target)
         count = len(bucket.slices)

@@ -29,11 +29,10 @@ from ..base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
-    ReceiverTransport,
     Segment,
     Settle,
 )
-from ..link import LinkedSender, Peer, WorkerLink, connect_link
+from ..link import LinkedReceiver, LinkedSender, Peer, WorkerLink, connect_link
 from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from ..wire import Frame, FrameKind
 
@@ -126,7 +125,7 @@ class RingSender(LinkedSender):
         self.buffers = []
 
 
-class RingReceiver(ReceiverTransport):
+class RingReceiver(LinkedReceiver):
     """Maps the ring at init; yields each announced slot as the bucket's buffer, in place."""
 
     lands_in_place = False
@@ -166,7 +165,7 @@ class RingReceiver(ReceiverTransport):
             info.recv_timeout,
             slots=max(1, len(self.buffers)),
             reads_directly=self.reads_directly,
-            delta=info.delta,
+            codec=self.codec,
         )
 
     @property
@@ -177,7 +176,7 @@ class RingReceiver(ReceiverTransport):
         link = self.link
         assert link is not None
         with link.guard(round_id):
-            for frame in link.frames(round_id, base=self.delta_base):
+            for frame in link.frames(round_id):
                 yield self.received(link, round_id, frame, target)
 
     def received(

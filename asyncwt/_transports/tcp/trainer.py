@@ -16,11 +16,10 @@ from ..._core.errors import ControlPlaneError, TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.source import WeightSource
 from ..._core.stats import Progress, RoundStats
-from ..._delta.links import DeltaLinks
 from ..._trainer.engine import PipelinedTrainerEngine, bounded_call
 from ..._trainer.lanes import LaneEvent
 from ..base import Segment, SenderTransport
-from ..link import LinkedSender
+from ..link import LinkedSender, Peer
 from ..wire import FrameKind
 from .members import Members
 from .settings import TcpTrainerInitInfo
@@ -40,15 +39,18 @@ class TcpSender(LinkedSender):
 
     def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
-        self.delta = DeltaLinks.of(self.links, plan, info)
 
     async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
-        if self.delta is not None:
-            await self.delta.send_bucket(bucket, segments)
+        await self.send_bucket_to(bucket, slot, segments, self.links.peers)
+
+    async def send_bucket_to(
+        self, bucket: Bucket, slot: int, segments: list[Segment], peers: list[Peer]
+    ) -> None:
+        if not peers:
             return
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
         frame = [memoryview(header.pack()), *map(byte_view, segments)]
-        await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}")
+        await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}", among=peers)
 
 
 class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):

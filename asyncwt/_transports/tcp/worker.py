@@ -6,12 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._core.plan import TransferPlan
-from ..._delta.receiver import receive_delta
 from ..._worker.engine import DeferredWorkerEngine, ReceivePool
 from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
-from ..link import WorkerLink, connect_link
+from ..link import LinkedReceiver, WorkerLink, connect_link
 from ..sockio import recv_segments
-from ..wire import FrameKind
 from .settings import TcpWorkerInitInfo
 
 __all__ = ["TcpReceiver", "TcpWorkerEngine", "receive_buckets"]
@@ -23,17 +21,17 @@ def receive_buckets(
     pool: ReceivePool,
     round_id: int,
     target: LandingTarget,
-    base: int = 0,
 ) -> Iterator[ReceivedBucket]:
     """Yield each bucket of `round_id` read from `link` with `recvmsg_into`, its
-    slices scattered into place (the star's connection or a chain's relay stream).
-    `base`: the round whose bytes this worker holds, for delta frames (star only)."""
+    slices scattered into place (the star's connection or a chain's relay stream);
+    a codec's frames are read by the link's codec."""
     with link.guard(round_id):
-        for frame in link.frames(round_id, base=base):
-            bucket = plan.buckets[frame.index]
-            if frame.kind == FrameKind.DELTA:
-                yield receive_delta(link.sock, frame, bucket, pool, target)
+        for frame in link.frames(round_id):
+            coded = link.coded(frame, pool, target)
+            if coded is not None:
+                yield coded
                 continue
+            bucket = plan.buckets[frame.index]
             buffer, release, segments = pool.landing(bucket, target)
             try:
                 recv_segments(link.sock, segments)
@@ -43,7 +41,7 @@ def receive_buckets(
             yield ReceivedBucket(bucket, buffer, release)
 
 
-class TcpReceiver(ReceiverTransport):
+class TcpReceiver(LinkedReceiver):
     """Receives each bucket with `recvmsg_into`, scattering its slices into place.
 
     A slice whose parameter can take the bytes as they are (see `LandingTarget`)
@@ -60,7 +58,7 @@ class TcpReceiver(ReceiverTransport):
     def connect(self) -> None:
         info = self.info
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
-        self.link = WorkerLink(sock, self.plan, info.recv_timeout, delta=info.delta)
+        self.link = WorkerLink(sock, self.plan, info.recv_timeout, codec=self.codec)
         if info.member >= 0:  # a tracked member: pair this connection with it
             from .relay import announce
 
@@ -73,7 +71,7 @@ class TcpReceiver(ReceiverTransport):
     def receive_round(self, round_id: int, target: LandingTarget) -> Iterator[ReceivedBucket]:
         link = self.link
         assert link is not None
-        yield from receive_buckets(link, self.plan, self.pool, round_id, target, self.delta_base)
+        yield from receive_buckets(link, self.plan, self.pool, round_id, target)
 
     def close(self) -> None:
         if self.link is not None:
