@@ -14,10 +14,12 @@ from ..._control.protocol import AnyWeightSyncClient
 from ..._core.bytes import byte_view
 from ..._core.errors import ControlPlaneError, TransferError
 from ..._core.plan import Bucket, TransferPlan
+from ..._core.round_plan import BackendFeatures
 from ..._core.source import WeightSource
 from ..._core.stats import Progress, RoundStats
 from ..._delta.links import DeltaLinks
-from ..._trainer.engine import PipelinedTrainerEngine, bounded_call
+from ..._trainer.calls import bounded_call
+from ..._trainer.engine import PipelinedTrainerEngine
 from ..._trainer.lanes import LaneEvent
 from ..base import Segment, SenderTransport
 from ..link import LinkedSender
@@ -66,7 +68,9 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     """
 
     init_info_cls = TcpTrainerInitInfo
-    supports_delta = True
+    features = BackendFeatures(
+        senders=("rank0", "owners"), routes=("star", "chain"), codecs=("raw", "delta")
+    )
     members: Members | None = None
     """The workers one by one, when tracked (else None)."""
 
