@@ -20,6 +20,7 @@ from ..._trainer.calls import bounded_call
 from ..._trainer.engine import PipelinedTrainerEngine
 from ..._trainer.lanes import LaneEvent
 from ..base import SenderTransport
+from ..link import Peer
 from .chain import SENDERS, FleetSender
 from .members import Members
 from .sender import TcpSender
@@ -138,26 +139,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                     continue
                 if not lost or len(lost) >= len(transport.links.peers):
                     raise
-                for peer in lost:
-                    listing = transport.drop(peer)
-                    name = peer.address
-                    if listing is not None:
-                        name = members.label(listing.member)
-                        await members.drop(listing.member)
-                        # The member's other workers (ranks behind one client) go too:
-                        # the control plane reaches them only through it.
-                        for other, seen in list(transport.listings.items()):
-                            if seen.member == listing.member:
-                                transport.drop(other)
-                    dropped.append(name)
-                    logger.warning(
-                        "asyncwt: dropped worker %s after %s: %s; the round runs again on "
-                        "the %d left",
-                        name,
-                        type(exc).__name__,
-                        exc,
-                        len(transport.links.peers),
-                    )
+                dropped += await _drop(transport, members, lost, exc)
                 if not transport.links.peers:
                     raise  # nobody left to complete the round
                 continue
@@ -206,6 +188,34 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         await super().shutdown()
         if self.members is not None:
             await self.members.close()
+
+
+async def _drop(
+    transport: FleetSender, members: Members, lost: list[Peer], why: BaseException
+) -> list[str]:
+    """Cut `lost` out of the fleet (with every other worker behind the same member);
+    their names, as the stats report them."""
+    dropped = []
+    for peer in lost:
+        listing = transport.drop(peer)
+        name = peer.address
+        if listing is not None:
+            name = members.label(listing.member)
+            await members.drop(listing.member)
+            # The member's other workers (ranks behind one client) go too: the
+            # control plane reaches them only through it.
+            for other, seen in list(transport.listings.items()):
+                if seen.member == listing.member:
+                    transport.drop(other)
+        dropped.append(name)
+        logger.warning(
+            "asyncwt: dropped worker %s after %s: %s; the round runs again on the %d left",
+            name,
+            type(why).__name__,
+            why,
+            len(transport.links.peers),
+        )
+    return dropped
 
 
 def _check_single_rank(source: WeightSource) -> None:
