@@ -179,6 +179,8 @@ def test_refusal_holds_whichever_step_comes_last() -> None:
         with_delta(chain)
     with pytest.raises(ValueError, match="delta=True does not work with on_worker_failure"):
         dropping_workers(with_delta(rank0_senders(_plan())))
+    with pytest.raises(ValueError, match="senders='owners' does not work with topology='chain'"):
+        dataclasses.replace(owners, route="chain")  # nor by hand
 
 
 def test_every_combination_is_built_or_refused_in_one_place() -> None:

@@ -244,6 +244,19 @@ class RoundPlan:
     digest: str
     """This plan's digest: the pieces, senders, needs, route and codec."""
 
+    def __post_init__(self) -> None:
+        refuse(self.choices)  # no plan holds a pair of choices that cannot work
+
+    @property
+    def choices(self) -> RoundChoices:
+        """The choices this plan was built with."""
+        return RoundChoices(
+            senders=self.senders,
+            route=self.route,
+            codec=self.codec,
+            on_worker_failure=self.on_worker_failure,
+        )
+
     def share(self, rank: int) -> TransferPlan | None:
         """What trainer rank `rank` sends each round, or None: nothing."""
         for share in self.shares:
@@ -348,17 +361,9 @@ def owner_senders(plan: TransferPlan, *, world_size: int) -> RoundPlan:
     )._digested()
 
 
-def _choices(rp: RoundPlan) -> RoundChoices:
-    return RoundChoices(
-        senders=rp.senders, route=rp.route, codec=rp.codec, on_worker_failure=rp.on_worker_failure
-    )
-
-
 def _step(rp: RoundPlan, **changes: str) -> RoundPlan:
-    """`rp` with `changes`, refused (naming both settings) where they cannot work."""
-    changed = dataclasses.replace(rp, **changes)  # type: ignore[arg-type]
-    refuse(_choices(changed))
-    return changed._digested()
+    """`rp` with `changes`; a pair that cannot work is refused (`RoundPlan.__post_init__`)."""
+    return dataclasses.replace(rp, **changes)._digested()  # type: ignore[arg-type]
 
 
 def via_chain(rp: RoundPlan) -> RoundPlan:
