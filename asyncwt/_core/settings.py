@@ -8,6 +8,7 @@ from typing import Any
 from .._worker.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 from .adapter import AdapterConfig, parse_adapter_config
 from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
+from .round_plan import Codec, RoundChoices
 from .validate import (
     check_at_most,
     check_bool,
@@ -121,6 +122,11 @@ class PipelineSettings:
             check_timeout(name, getattr(self, name))
         check_bool("zero_copy", self.zero_copy)
 
+    def round_choices(self) -> RoundChoices:
+        """What a round plan is built from: who sends, by which route, with which codec
+        (rank 0, star, raw here; a backend's settings that offer more say so)."""
+        return RoundChoices()
+
     def worker_fields(self) -> dict[str, Any]:
         """The settings every worker receives at init (besides the plan)."""
         return {
@@ -177,6 +183,11 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         self.adapter_config = None if self.adapter is None else parse_adapter_config(self.adapter)
         if self.adapter_config is not None and self.owners is not None:
             raise ValueError("adapter rounds are sent by rank 0: owners should be None")
+
+    @property
+    def codec(self) -> Codec:
+        """How the trainer codes rounds: raw, unless a backend's info says delta."""
+        return "raw"
 
 
 @dataclass

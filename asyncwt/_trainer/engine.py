@@ -23,51 +23,27 @@ from .._core.concurrency import single_error
 from .._core.device import resolve_device
 from .._core.errors import ControlPlaneError
 from .._core.plan import TransferPlan
+from .._core.round_plan import BackendFeatures, RoundPlan, SendersKind, check_choices
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
 from .._delta.links import delta_sender
 from .._transports.base import SenderTransport
 from .base import TrainerInitInfo, TrainerWeightTransferEngine
+from .calls import bounded_call, round_failed
 from .lanes import DeviceLane, LaneEvent
+from .owners import OwnerRanks
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
+from .senders import RankZero, SenderSide, share_round
 
-__all__ = ["PipelinedTrainerEngine"]
+__all__ = ["SENDER_SIDES", "PipelinedTrainerEngine"]
+
+SENDER_SIDES: dict[SendersKind, type[SenderSide]] = {"rank0": RankZero, "owners": OwnerRanks}
+"""What the engine is handed for each kind of senders a round plan has."""
 
 logger = logging.getLogger("asyncwt")
 
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
-
-
-async def bounded_call(
-    client: object, method: str, *args: Any, timeout: float, where: str, **kwargs: Any
-) -> None:
-    """`call_client`, abandoned with a `ControlPlaneError` after `timeout` seconds.
-
-    A synchronous client's thread cannot be interrupted: it is left to finish in the
-    background (its result is dropped), so the caller never waits past `timeout`.
-    """
-    with anyio.move_on_after(timeout) as scope:
-        await call_client(client, method, *args, **kwargs)
-    if scope.cancelled_caught:
-        raise ControlPlaneError(
-            f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
-            f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
-            f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
-        )
-
-
-async def round_failed(client: object, timeout: float) -> None:
-    """Tell `client` a round failed, if it wants to know (`client.round_failed()`: an
-    `HttpClient` that paused vLLM resumes it). Shielded and bounded by `timeout`;
-    its errors are logged: the round's own error is the one raised."""
-    if not callable(getattr(client, "round_failed", None)):
-        return
-    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-        try:
-            await call_client(client, "round_failed")
-        except Exception as exc:  # noqa: BLE001 - the round's own error is raised
-            logger.warning("%s.round_failed() failed: %r", type(client).__name__, exc)
 
 
 def _paused_s(client: object) -> float | None:
@@ -87,22 +63,26 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     """
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
-    supports_delta: ClassVar[bool] = False
-    """Whether the backend sends delta rounds (`delta=True` in its init info)."""
+    features: ClassVar[BackendFeatures] = BackendFeatures()
+    """The round plans the backend runs (senders, routes, codecs): rank 0, star, raw
+    unless it says more; a plan asking for more is refused at `trainer_init`."""
 
     def __init__(
         self,
         info: Any,
         *,
         client: AnyWeightSyncClient,
-        source: WeightSource,
-        plan: TransferPlan,
+        side: SenderSide,
         device: torch.device,
     ) -> None:
+        source = side.source
         super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
         settings: PipelineSettings = info
         self.info = info
-        self.plan = plan
+        self.round_plan: RoundPlan = side.round_plan
+        """The round as data, built at init: who sends what to whom, how."""
+        self.plan = plan = side.plan
+        """What this rank's pipeline and transport carry."""
         self.source: WeightSource = source
         self.device = device
         """Where lanes and staging live: `settings.device` resolved once, with its index."""
@@ -117,11 +97,6 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
         self.transport: SenderTransport | None = None
-        self.round_digest = plan.digest
-        """What each round's update info names as its plan (the owner layout's digest
-        with `senders="owners"`)."""
-        self.round_total_bytes: int | None = None
-        """Bytes of a round from every rank together, where ranks share the sending."""
         self.trainer_id = secrets.token_hex(16)
         """This engine's id, sent to the workers at init and with every round: a worker
         refuses rounds of any other trainer (a stale one, or a stranger)."""
@@ -153,57 +128,35 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             raise TypeError(
                 f"init_info should be a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
             )
-        if getattr(init_info, "senders", "rank0") == "owners":
-            from .owners import owners_trainer_init
-
-            engine = await owners_trainer_init(cls, init_info, client=client, source=source)
-            return engine  # type: ignore[return-value]
-        if source is None or not source.implements_iter_full():
-            raise ValueError(
-                f"source should be a WeightSource implementing iter_full (rank 0 sends full "
-                f"tensors), got {type(source).__name__}"
-            )
-        if getattr(init_info, "delta", False) and not cls.supports_delta:
-            raise ValueError(
-                f"delta should be False for the {init_info.backend} backend (delta rounds "
-                f"run on tcp and shm), got True"
-            )
         settings: PipelineSettings = init_info  # type: ignore[assignment]
-        plan = TransferPlan.build(
-            source.metadata, bucket_bytes=settings.bucket_bytes, alignment=settings.alignment
-        )
-        if init_info.is_sender:
-            owned = set(source.owned_names(0))
-            for meta in plan.params:
-                if meta.name not in owned:
-                    raise ValueError(
-                        f"parameter {meta.name!r} is not owned by rank 0 (owners {meta.owners}); "
-                        f"the {init_info.backend} backend sends every full tensor from rank 0"
-                    )
-        device = resolve_device(settings.device, source)
-        engine = cls(init_info, client=client, source=source, plan=plan, device=device)
-        if init_info.is_sender:
-            transport = cls.make_transport(init_info, plan, device)
-            if getattr(init_info, "delta", False):  # a layer around the backend's sender
-                transport = delta_sender(transport, init_info)
-            fields = engine.worker_init_fields()
+        choices = settings.round_choices()
+        check_choices(choices, cls.features, init_info.backend)
+        side = SENDER_SIDES[choices.senders].build(init_info, source, choices)
+        device = resolve_device(settings.device, side.source)
+        engine = cls(init_info, client=client, side=side, device=device)
+        if side.opens_transport(init_info.is_sender):
 
-            async def init_workers(init_info: dict[str, Any]) -> None:
+            async def init_all(info: dict[str, Any]) -> None:
                 await bounded_call(
                     client,
                     "init_weight_transfer_engine",
-                    init_info,
+                    info,
                     timeout=settings.rpc_timeout,
                     where="trainer_init",
                 )
 
-            try:
-                await anyio.to_thread.run_sync(engine.prepare_staging, transport)
-                await transport.rendezvous(fields, init_workers)
-            except BaseException:
-                transport.close()
-                raise
-            engine.transport = transport
+            def make_transport() -> SenderTransport:
+                transport = cls.make_transport(init_info, engine.plan, device)
+                if choices.codec == "delta":  # a layer around the backend's sender
+                    return delta_sender(transport, init_info)
+                return transport
+
+            engine.transport = await side.open(
+                make_transport,
+                engine.prepare_staging,
+                engine.worker_init_fields(),
+                init_all,
+            )
         return engine
 
     def prepare_staging(self, transport: SenderTransport) -> None:
@@ -307,10 +260,14 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 except BaseException:
                     await round_failed(self.client, self.info.rpc_timeout)
                     raise
-            else:  # senders="owners": this rank's share, over its own links
-                from .owners import share_round
-
-                busy = await share_round(self, self.transport, round_id, fence, progress)
+            else:  # a rank sending its share of the round over its own links
+                transport = self.transport
+                busy = await share_round(
+                    transport,
+                    round_id,
+                    self.rank,
+                    lambda opened: self.stream(transport, fence, opened, progress),
+                )
             return self._stats(round_id, weight_version, started, busy, sent=True)
         finally:
             self._busy = False
@@ -335,7 +292,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         where = f"round {round_id}"
         update_info = {
             "round_id": round_id,
-            "plan_digest": self.round_digest,
+            "plan_digest": self.round_plan.round_digest,
             "trainer_id": self.trainer_id,
         }
         # The round's ids go to start and finish both, or to neither: a round started
@@ -466,15 +423,19 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             workers=self.num_workers if sent else 0,
             wall_s=time.perf_counter() - started,
             stage_busy_s=busy,
-            total_bytes=self.round_total_bytes if sent else None,
+            total_bytes=self._total_bytes() if sent else None,
             paused_s=_paused_s(self.client) if sent else None,
         )
         logger.info("asyncwt rank %d: %s", self.rank, stats.summary())
         return stats
 
     def _wire_bytes(self) -> int:
-        reported = getattr(self.transport, "round_wire_bytes", None)
-        return reported if isinstance(reported, int) else self.plan.total_bytes
+        reported = self.transport.round_wire_bytes if self.transport is not None else None
+        return reported if reported is not None else self.plan.total_bytes
+
+    def _total_bytes(self) -> int | None:
+        """Bytes of a round from every rank together, where several ranks send."""
+        return self.round_plan.total_bytes if self.round_plan.layout is not None else None
 
     async def shutdown(self) -> None:
         """Close the transport, once the lanes are past what a round queued on them

@@ -1,11 +1,12 @@
 """Owner senders on the trainer: every rank streams its own shards, no gather.
 
-With `senders="owners"` (tcp and shm) each rank builds the same `OwnersLayout`
-from `source.metadata`, opens its own endpoint for its share plan, and every round
-runs its own pipeline over `ShareSource` (its pieces, cut from `iter_local()`): no
-collective moves weights. Rank 0 alone keeps the control plane: it inits the
-workers (telling them every rank's endpoint) and calls start/update/finish; the
-other ranks open and close their links' rounds only (`share_round`).
+With `senders="owners"` (tcp and shm) each rank builds the same round plan (its
+`OwnersLayout`) from `source.metadata`, opens its own endpoint for its share plan,
+and every round runs its own pipeline over `ShareSource` (its pieces, cut from
+`iter_local()`): no collective moves weights. Rank 0 alone keeps the control plane:
+it inits the workers (telling them every rank's endpoint) and calls
+start/update/finish; the other ranks open and close their links' rounds only
+(`asyncwt._trainer.senders.share_round`). `OwnerRanks` is what the engine is handed.
 
 At init the ranks exchange their endpoints (host, port, token, transport fields)
 over a gloo group made for the purpose, then learn from rank 0 whether the
@@ -15,38 +16,24 @@ workers' init succeeded; nothing crosses ranks during a round.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 import torch
 
-from .._core.concurrency import single_error
 from .._core.errors import SourceMismatchError, TransferError
 from .._core.meta import ParamMeta
 from .._core.owners import OwnersLayout, pieces_by_param
-from .._core.plan import TransferPlan
+from .._core.round_plan import RoundChoices, build_round_plan
 from .._core.source import WeightSource
-from .._core.stats import Progress
-from .._transports.base import SenderTransport
-from .lanes import LaneEvent
+from .._transports.base import InitWorkers, SenderTransport
+from .senders import SenderSide
 
-if TYPE_CHECKING:
-    from .engine import PipelinedTrainerEngine
-
-__all__ = ["SENDERS", "ShareSource", "check_senders", "owners_trainer_init", "share_round"]
-
-SENDERS = ("rank0", "owners")
-OWNERS_BACKENDS = ("tcp", "shm")
-
-
-def check_senders(value: object) -> None:
-    """`value` is one of `SENDERS`."""
-    if value not in SENDERS:
-        raise ValueError(f"senders should be one of {SENDERS}, got {value!r}")
+__all__ = ["OwnerRanks", "ShareSource"]
 
 
 class ShareSource(WeightSource):
@@ -155,149 +142,99 @@ def _world(rank: int) -> int:
     return dist.get_world_size()
 
 
-async def owners_trainer_init(
-    cls: type[PipelinedTrainerEngine[Any]],
-    init_info: Any,
-    *,
-    client: Any,
-    source: WeightSource | None,
-) -> PipelinedTrainerEngine[Any]:
-    """`trainer_init` with `senders="owners"`: see the module docstring."""
-    from .._core.device import resolve_device
-    from .engine import bounded_call
+class OwnerRanks(SenderSide):
+    """Every trainer rank sends the pieces it holds (`senders="owners"`): each opens
+    its own endpoint for its share plan; rank 0 alone inits the workers, telling them
+    every rank's endpoint (see the module docstring)."""
 
-    if init_info.backend not in OWNERS_BACKENDS:
-        raise ValueError(
-            f"senders='owners' is supported by the {' and '.join(OWNERS_BACKENDS)} backends, "
-            f"got backend={init_info.backend!r}"
-        )
-    topology = getattr(init_info, "topology", "star")
-    if topology != "star":
-        raise ValueError(
-            f"senders='owners' does not work with topology={topology!r} yet: each owner rank "
-            f"sends to every worker directly (topology='star')"
-        )
-    if source is None or not source.implements_iter_local():
-        raise ValueError(
-            f"source should be a WeightSource implementing iter_local (senders='owners' "
-            f"sends each rank's local shards), got {type(source).__name__}"
-        )
-    rank = init_info.rank
-    world = _world(rank)
-    full = TransferPlan.build(
-        source.metadata, bucket_bytes=init_info.bucket_bytes, alignment=init_info.alignment
-    )
-    layout = OwnersLayout.build(full, world)
-    share = layout.share_plans[rank]
-    device = resolve_device(init_info.device, source)
-    engine = cls(
-        init_info,
-        client=client,
-        source=ShareSource(source, layout, rank),
-        plan=share,
-        device=device,
-    )
-    engine.round_digest = layout.digest
-    engine.round_total_bytes = layout.total_bytes
-    exchange = await anyio.to_thread.run_sync(_Exchange)
-    fields = engine.worker_init_fields()
-    joined = False  # whether this rank reached the endpoint exchange
-
-    async def init_workers(mine: dict[str, Any]) -> None:
-        nonlocal joined
-        joined = True
-        everyone = await anyio.to_thread.run_sync(exchange.all, mine)
-        ok = rank != 0
-        try:
-            failed = [e["failed"] for e in everyone if "failed" in e]
-            if failed:
-                raise TransferError(f"senders='owners' init failed on other ranks: {failed}")
-            if rank == 0:
-                # Each worker derives every rank's share plan from the layout: only the
-                # endpoints travel (a plan per rank would multiply the init's size).
-                endpoints = [{k: v for k, v in e.items() if k != "plan"} for e in everyone]
-                owners = {**layout.to_wire(), "senders": endpoints}
-                top = {**mine, "plan": full.to_wire(), "owners": owners}
-                await bounded_call(
-                    client,
-                    "init_weight_transfer_engine",
-                    top,
-                    timeout=init_info.rpc_timeout,
-                    where="trainer_init",
-                )
-                ok = True
-        finally:
-            with anyio.CancelScope(shield=True):
-                status = await anyio.to_thread.run_sync(exchange.all, ok)
-        if not status[0]:
-            raise TransferError(
-                f"rank {rank}: rank 0 could not init the workers (see rank 0's error); "
-                f"senders='owners' init failed"
+    @classmethod
+    def build(cls, info: Any, source: WeightSource | None, choices: RoundChoices) -> OwnerRanks:
+        if source is None or not source.implements_iter_local():
+            raise ValueError(
+                f"source should be a WeightSource implementing iter_local (senders='owners' "
+                f"sends each rank's local shards), got {type(source).__name__}"
             )
-
-    transport: SenderTransport | None = None
-    error: BaseException | None = None
-    try:
-        transport = cls.make_transport(init_info, share, device)
-        await anyio.to_thread.run_sync(engine.prepare_staging, transport)
-        await transport.rendezvous(fields, init_workers)
-    except BaseException as exc:  # noqa: BLE001 - re-raised after the exchanges below
-        error = exc
-    # Every rank runs the same exchanges whatever happened here, so that a rank that
-    # failed before its endpoint existed fails the others instead of leaving them
-    # blocked in a collective.
-    with anyio.CancelScope(shield=True):
-        try:
-            if error is not None and not joined:
-                why = f"rank {rank}: {type(error).__name__}: {error}"
-                await anyio.to_thread.run_sync(exchange.all, {"failed": why})
-                await anyio.to_thread.run_sync(exchange.all, False)
-            count = -1 if error is not None or transport is None else transport.num_workers
-            counts = await anyio.to_thread.run_sync(exchange.all, count)
-        finally:
-            await anyio.to_thread.run_sync(exchange.close)
-    if error is None and len(set(counts)) != 1:
-        error = TransferError(
-            f"rank {rank}: not every rank was initialised with the same workers (workers per "
-            f"rank, -1 where init failed: {counts}); every worker must reach every rank"
+        rank = info.rank
+        round_plan = build_round_plan(
+            source.metadata,
+            bucket_bytes=info.bucket_bytes,
+            alignment=info.alignment,
+            choices=choices,
+            world_size=_world(rank),
         )
-    if error is not None:
-        if transport is not None:
-            transport.close()
-        raise error
-    assert transport is not None
-    engine.transport = transport
-    return engine
+        assert round_plan.layout is not None
+        return cls(round_plan, ShareSource(source, round_plan.layout, rank), rank)
 
+    def opens_transport(self, is_sender: bool) -> bool:
+        return True
 
-async def share_round(
-    engine: PipelinedTrainerEngine[Any],
-    transport: SenderTransport,
-    round_id: int,
-    fence: LaneEvent,
-    progress: Progress | None = None,
-) -> dict[str, float]:
-    """One round on a rank other than 0 with `senders="owners"`: its links only.
+    async def open(
+        self,
+        make: Callable[[], SenderTransport],
+        prepare: Callable[[SenderTransport], None],
+        fields: dict[str, Any],
+        init_all: InitWorkers,
+    ) -> SenderTransport:
+        layout = self.round_plan.layout
+        assert layout is not None
+        rank = self.rank
+        exchange = await anyio.to_thread.run_sync(_Exchange)
+        joined = False  # whether this rank reached the endpoint exchange
 
-    Waits for every worker's READY (rank 0 opens the round on the control plane),
-    streams this rank's share, ends the round on its links; on any failure it
-    aborts the round on them, so the workers' `update_weights` fails and rank 0
-    publishes nothing.
-    """
-    opened = anyio.Event()
+        async def init_workers(mine: dict[str, Any]) -> None:
+            nonlocal joined
+            joined = True
+            everyone = await anyio.to_thread.run_sync(exchange.all, mine)
+            ok = rank != 0
+            try:
+                failed = [e["failed"] for e in everyone if "failed" in e]
+                if failed:
+                    raise TransferError(f"senders='owners' init failed on other ranks: {failed}")
+                if rank == 0:
+                    # Each worker derives every rank's share plan from the layout: only the
+                    # endpoints travel (a plan per rank would multiply the init's size).
+                    endpoints = [{k: v for k, v in e.items() if k != "plan"} for e in everyone]
+                    owners = {**layout.to_wire(), "senders": endpoints}
+                    await init_all({**mine, "plan": layout.plan.to_wire(), "owners": owners})
+                    ok = True
+            finally:
+                with anyio.CancelScope(shield=True):
+                    status = await anyio.to_thread.run_sync(exchange.all, ok)
+            if not status[0]:
+                raise TransferError(
+                    f"rank {rank}: rank 0 could not init the workers (see rank 0's error); "
+                    f"senders='owners' init failed"
+                )
 
-    async def open_round() -> None:
-        await transport.begin_round(round_id)
-        opened.set()
-
-    try:
-        with single_error():
-            async with anyio.create_task_group() as stream:
-                stream.start_soon(open_round)
-                busy = await engine.stream(transport, fence, opened, progress)
-        await transport.end_round()
-    except BaseException as exc:
+        transport: SenderTransport | None = None
+        error: BaseException | None = None
+        try:
+            transport = make()
+            await anyio.to_thread.run_sync(prepare, transport)
+            await transport.rendezvous(fields, init_workers)
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the exchanges below
+            error = exc
+        # Every rank runs the same exchanges whatever happened here, so that a rank that
+        # failed before its endpoint existed fails the others instead of leaving them
+        # blocked in a collective.
         with anyio.CancelScope(shield=True):
-            await transport.abort_round(f"rank {engine.rank}: {type(exc).__name__}: {exc}")
-        raise
-    return busy
+            try:
+                if error is not None and not joined:
+                    why = f"rank {rank}: {type(error).__name__}: {error}"
+                    await anyio.to_thread.run_sync(exchange.all, {"failed": why})
+                    await anyio.to_thread.run_sync(exchange.all, False)
+                count = -1 if error is not None or transport is None else transport.num_workers
+                counts = await anyio.to_thread.run_sync(exchange.all, count)
+            finally:
+                await anyio.to_thread.run_sync(exchange.close)
+        if error is None and len(set(counts)) != 1:
+            error = TransferError(
+                f"rank {rank}: not every rank was initialised with the same workers (workers "
+                f"per rank, -1 where init failed: {counts}); every worker must reach every rank"
+            )
+        if error is not None:
+            if transport is not None:
+                transport.close()
+            raise error
+        assert transport is not None
+        return transport

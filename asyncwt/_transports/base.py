@@ -84,6 +84,10 @@ class SenderTransport(ABC):
     """Whether every slot is packed into `staging(slot)` (never `None`): the
     pipeline's pool then stays unallocated."""
 
+    round_wire_bytes: int | None = None
+    """Bytes the last round put on the wire to each worker where a codec made them
+    differ from the plan's payload (delta rounds); None: the payload as planned."""
+
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for pipeline slot `slot` (shared memory, say),
         or `None` to pack into the pipeline's pool."""

@@ -8,6 +8,7 @@ import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .._core.round_plan import Codec, RoundChoices
 from .._core.settings import PipelineSettings, WorkerPlanInfo
 from .._core.validate import (
     check_bool,
@@ -95,6 +96,12 @@ class LinkedTrainerInfo(PipelineSettings):
                 "rank 0's full tensors), got True"
             )
 
+    def round_choices(self) -> RoundChoices:
+        return RoundChoices(
+            senders="owners" if self.senders == "owners" else "rank0",
+            codec="delta" if self.delta else "raw",
+        )
+
     def worker_fields(self) -> dict[str, Any]:
         fields_ = super().worker_fields()
         if self.delta:
@@ -123,3 +130,7 @@ class LinkedWorkerInfo(WorkerPlanInfo):
         check_host("host", self.host)
         check_port("port", self.port)
         check_str("token", self.token, min_chars=1, secret=True)
+
+    @property
+    def codec(self) -> Codec:
+        return "delta" if self.delta else "raw"

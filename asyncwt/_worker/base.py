@@ -157,6 +157,18 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     drives the tail itself must call `drain_pending()` first.
     """
 
+    weights_incomplete: bool | None = None
+    """Whether a failed round left the model a mix of two versions (see
+    `DeferredWorkerEngine`); None: the engine does not say, its driver keeps count."""
+    untouched_params: tuple[str, ...] = ()
+    """The model's parameters the published version left as they were (a partial
+    update); empty: every parameter, or the engine does not say."""
+
+    @property
+    def round_bytes(self) -> int | None:
+        """Payload bytes of one round, where the engine knows them (None: it does not)."""
+        return None
+
     def __init__(
         self,
         config: WeightTransferConfig,

@@ -35,6 +35,7 @@ from .._transports.base import LandingTarget, ReceiverTransport
 from .adapters import AdapterCollector, LoraHooks
 from .applier import DeferredApplier, ModelTarget, weights_loader
 from .base import WeightTransferConfig, WeightTransferEngine
+from .owners import owners_receiver
 
 __all__ = ["DeferredWorkerEngine", "ReceivePool"]
 
@@ -279,12 +280,10 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         plan = init_info.transfer_plan
         receiver: ReceiverTransport
         if init_info.owners is not None:  # every trainer rank sends its own shards
-            from .owners import owners_receiver
-
-            receiver, plan = owners_receiver(self, init_info)
+            receiver, plan = owners_receiver(init_info, self.parse_init_info, self.make_receiver)
         else:
             receiver = self.make_receiver(init_info, plan)
-        delta = delta_receiver(receiver, plan) if getattr(init_info, "delta", False) else None
+        delta = delta_receiver(receiver, plan) if init_info.codec == "delta" else None
         adapter = None
         if init_info.adapter_config is not None:  # adapter rounds land beside the model
             self.check_adapter(plan, init_info.adapter_config)

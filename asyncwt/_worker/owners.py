@@ -18,15 +18,12 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .._core.owners import MAX_SENDERS, OwnersLayout, full_slices
 from .._core.plan import Bucket, TransferPlan
 from .._transports.base import ReceivedBucket, ReceiverTransport
-
-if TYPE_CHECKING:
-    from .engine import DeferredWorkerEngine
 
 __all__ = ["OwnersReceiver", "owners_receiver"]
 
@@ -145,12 +142,17 @@ class OwnersReceiver(ReceiverTransport):
             receiver.close()
 
 
-def owners_receiver(engine: DeferredWorkerEngine, info: Any) -> tuple[OwnersReceiver, TransferPlan]:
+def owners_receiver(
+    info: Any,
+    parse: Callable[[dict[str, Any]], Any],
+    make_receiver: Callable[[Any, TransferPlan], ReceiverTransport],
+) -> tuple[OwnersReceiver, TransferPlan]:
     """The receiver for an init with owner senders, and the plan rounds name.
 
-    Validates the layout (its digest included: it covers every rank's share plan)
-    and every rank's endpoint fields with the backend's own init info class before
-    anything is allocated or connected.
+    `parse(fields)` checks one rank's endpoint fields (its share plan included) with
+    the backend's own init info class; `make_receiver(rank_info, share_plan)` builds
+    that rank's receiver. Validates the layout (its digest included: it covers every rank's share plan)
+    and every rank's endpoint fields before anything is allocated or connected.
     """
     plan: TransferPlan = info.transfer_plan
     owners = info.owners
@@ -163,19 +165,19 @@ def owners_receiver(engine: DeferredWorkerEngine, info: Any) -> tuple[OwnersRece
             f"got {got}"
         )
     assert layout.world_size <= MAX_SENDERS
-    rank_infos = []
     for rank, fields in enumerate(senders):
         if not isinstance(fields, dict) or "owners" in fields or "plan" in fields:
             raise ValueError(
                 f"owners.senders[{rank}] should be a dict of one rank's endpoint (without "
                 f"'plan' or 'owners': its share plan is derived from the layout)"
             )
-        # The rank's share plan as derived here (the layout's digest covers it).
-        rank_infos.append(
-            engine.parse_init_info({**fields, "plan": layout.share_plans[rank].to_wire()})
-        )
+    # Each rank's share plan as derived here (the layout's digest covers it).
+    rank_infos = [
+        parse({**fields, "plan": layout.share_plans[rank].to_wire()})
+        for rank, fields in enumerate(senders)
+    ]
     receivers = [
-        engine.make_receiver(rank_info, layout.share_plans[rank])
+        make_receiver(rank_info, layout.share_plans[rank])
         for rank, rank_info in enumerate(rank_infos)
     ]
     return OwnersReceiver(layout, receivers), dataclasses.replace(layout.plan, digest=layout.digest)

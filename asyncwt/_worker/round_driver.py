@@ -61,8 +61,7 @@ def _optional_int(info: object, name: str) -> int | None:
 
 def _round_bytes(engine: Engine | None) -> int | None:
     """The payload bytes of one of the engine's rounds, where it says (asyncwt's do)."""
-    value = getattr(engine, "round_bytes", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return None if engine is None else engine.round_bytes
 
 
 def finish_engine_round(engine: Engine, weight_version: str | None) -> None:
@@ -246,8 +245,7 @@ class RoundDriver:
                 self._failed("finish", closing.name, error)
                 raise error
             self._note_engine(engine)
-            untouched = getattr(engine, "untouched_params", ())
-            self.untouched_params = tuple(untouched) if isinstance(untouched, tuple) else ()
+            self.untouched_params = engine.untouched_params
             seconds = time.perf_counter() - self._started_at
             nbytes = _round_bytes(engine)
             if self.metrics is not None:
@@ -289,8 +287,7 @@ class RoundDriver:
 
     @staticmethod
     def _engine_flag(engine: Engine | None) -> bool | None:
-        flag = getattr(engine, "weights_incomplete", None)
-        return flag if isinstance(flag, bool) else None
+        return None if engine is None else engine.weights_incomplete
 
     @staticmethod
     async def _parse(fn: Callable[[], T]) -> T:

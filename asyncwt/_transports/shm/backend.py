@@ -51,6 +51,7 @@ from ..._core.concurrency import single_error
 from ..._core.cuda_sync import HostRegistration
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
+from ..._core.round_plan import BackendFeatures
 from ..._core.validate import check_bool, check_int_in, check_u64
 from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
@@ -526,7 +527,7 @@ class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
     """Trainer engine of the `"shm"` backend (see the module docstring)."""
 
     init_info_cls = ShmTrainerInitInfo
-    supports_delta = True
+    features = BackendFeatures(senders=("rank0", "owners"), codecs=("raw", "delta"))
 
     @classmethod
     def make_transport(

@@ -43,8 +43,8 @@ from ..wire import (
     pack_proof,
     verify_challenge,
 )
+from .sender import TcpSender
 from .settings import TcpTrainerInitInfo
-from .trainer import TcpSender
 
 __all__ = ["ChainSender", "FleetSender", "Listing"]
 

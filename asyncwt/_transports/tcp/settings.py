@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..._core.round_plan import RoundChoices
 from ..._core.settings import RoundUpdateInfo
 from ..._trainer.base import TrainerInitInfo
 from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
@@ -56,6 +58,13 @@ class TcpTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
                 "on_worker_failure should be 'fail' with senders='owners' (a dropped "
                 "worker's round runs again on rank 0 alone), got 'drop'"
             )
+
+    def round_choices(self) -> RoundChoices:
+        return dataclasses.replace(
+            super().round_choices(),
+            route="chain" if self.topology == "chain" else "star",
+            on_worker_failure="drop" if self.on_worker_failure == "drop" else "fail",
+        )
 
     @property
     def tracks_members(self) -> bool:

@@ -5,52 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from typing_extensions import Self
 
 from ..._control.protocol import AnyWeightSyncClient
-from ..._core.bytes import byte_view
 from ..._core.errors import ControlPlaneError, TransferError
-from ..._core.plan import Bucket, TransferPlan
+from ..._core.plan import TransferPlan
+from ..._core.round_plan import BackendFeatures
 from ..._core.source import WeightSource
 from ..._core.stats import Progress, RoundStats
-from ..._trainer.engine import PipelinedTrainerEngine, bounded_call
+from ..._trainer.calls import bounded_call
+from ..._trainer.engine import PipelinedTrainerEngine
 from ..._trainer.lanes import LaneEvent
-from ..base import Segment, SenderTransport
-from ..link import LinkedSender, Peer
-from ..wire import FrameKind
+from ..base import SenderTransport
+from ..link import Peer
+from .chain import SENDERS, FleetSender
 from .members import Members
+from .sender import TcpSender
 from .settings import TcpTrainerInitInfo
 
-if TYPE_CHECKING:
-    from .chain import FleetSender
-
-__all__ = ["TcpSender", "TcpTrainerEngine"]
+__all__ = ["TcpTrainerEngine"]
 
 logger = logging.getLogger("asyncwt")
-
-
-class TcpSender(LinkedSender):
-    """Sends each bucket (header, then its segments, scatter-gather) to every worker."""
-
-    min_view_bytes = 0
-
-    def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
-        super().__init__(info.link_settings(), plan)
-
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
-        await self.send_bucket_to(bucket, slot, segments, self.links.peers)
-
-    async def send_bucket_to(
-        self, bucket: Bucket, slot: int, segments: list[Segment], peers: list[Peer]
-    ) -> None:
-        if not peers:
-            return
-        header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
-        frame = [memoryview(header.pack()), *map(byte_view, segments)]
-        await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}", among=peers)
 
 
 class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
@@ -68,7 +46,9 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     """
 
     init_info_cls = TcpTrainerInitInfo
-    supports_delta = True
+    features = BackendFeatures(
+        senders=("rank0", "owners"), routes=("star", "chain"), codecs=("raw", "delta")
+    )
     members: Members | None = None
     """The workers one by one, when tracked (else None)."""
 
@@ -77,8 +57,6 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         cls, info: TcpTrainerInitInfo, plan: TransferPlan, device: torch.device
     ) -> SenderTransport:
         if info.tracks_members:
-            from .chain import SENDERS
-
             return SENDERS[info.topology](info, plan)
         return TcpSender(info, plan)
 
@@ -111,8 +89,6 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         return engine
 
     def _fleet(self) -> tuple[FleetSender, Members] | None:
-        from .chain import FleetSender
-
         if isinstance(self.transport, FleetSender) and self.members is not None:
             return self.transport, self.members
         return None
@@ -131,7 +107,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         them and runs again on the survivors; the stats name the dropped. Each try is
         bounded by the usual timeouts; with nobody gone the round's error is raised."""
         fleet = self._fleet()
-        if fleet is None or self.info.on_worker_failure != "drop":
+        if fleet is None or self.round_plan.on_worker_failure != "drop":
             return await super().send_weights(
                 weight_version=weight_version, after=after, progress=progress, join=join
             )
@@ -163,26 +139,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                     continue
                 if not lost or len(lost) >= len(transport.links.peers):
                     raise
-                for peer in lost:
-                    listing = transport.drop(peer)
-                    name = peer.address
-                    if listing is not None:
-                        name = members.label(listing.member)
-                        await members.drop(listing.member)
-                        # The member's other workers (ranks behind one client) go too:
-                        # the control plane reaches them only through it.
-                        for other, seen in list(transport.listings.items()):
-                            if seen.member == listing.member:
-                                transport.drop(other)
-                    dropped.append(name)
-                    logger.warning(
-                        "asyncwt: dropped worker %s after %s: %s; the round runs again on "
-                        "the %d left",
-                        name,
-                        type(exc).__name__,
-                        exc,
-                        len(transport.links.peers),
-                    )
+                dropped += await _drop(transport, members, lost, exc)
                 if not transport.links.peers:
                     raise  # nobody left to complete the round
                 continue
@@ -231,6 +188,34 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         await super().shutdown()
         if self.members is not None:
             await self.members.close()
+
+
+async def _drop(
+    transport: FleetSender, members: Members, lost: list[Peer], why: BaseException
+) -> list[str]:
+    """Cut `lost` out of the fleet (with every other worker behind the same member);
+    their names, as the stats report them."""
+    dropped = []
+    for peer in lost:
+        listing = transport.drop(peer)
+        name = peer.address
+        if listing is not None:
+            name = members.label(listing.member)
+            await members.drop(listing.member)
+            # The member's other workers (ranks behind one client) go too: the
+            # control plane reaches them only through it.
+            for other, seen in list(transport.listings.items()):
+                if seen.member == listing.member:
+                    transport.drop(other)
+        dropped.append(name)
+        logger.warning(
+            "asyncwt: dropped worker %s after %s: %s; the round runs again on the %d left",
+            name,
+            type(why).__name__,
+            why,
+            len(transport.links.peers),
+        )
+    return dropped
 
 
 def _check_single_rank(source: WeightSource) -> None:
