@@ -18,13 +18,13 @@ from asyncwt import (
     WeightSource,
     WeightTransferConfig,
     WeightTransferEngine,
-    _registry,
     create_worker_engine,
     register_trainer_engine,
     register_worker_engine,
     registered_backends,
     trainer_init,
 )
+from asyncwt._core import registry as _registry
 
 
 @pytest.fixture(autouse=True)

@@ -56,7 +56,7 @@ from .codec import (
 )
 
 if TYPE_CHECKING:
-    from .._worker.engine import ReceivePool
+    from .._transports.pool import ReceivePool
 
 __all__ = ["DeltaDigestError", "WorkerDelta", "receive_delta"]
 

@@ -18,17 +18,17 @@ import anyio.to_thread
 import torch
 from typing_extensions import Self
 
-from .._control.protocol import AnyWeightSyncClient, call_client, round_keywords
 from .._core.concurrency import single_error
 from .._core.device import resolve_device
 from .._core.errors import ControlPlaneError
+from .._core.lanes import DeviceLane, LaneEvent
 from .._core.plan import TransferPlan
+from .._core.protocol import AnyWeightSyncClient, call_client, round_keywords
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
+from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
 from .._transports.base import SenderTransport
-from .base import TrainerInitInfo, TrainerWeightTransferEngine
-from .lanes import DeviceLane, LaneEvent
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
 
 __all__ = ["PipelinedTrainerEngine"]

@@ -26,13 +26,13 @@ import torch
 
 from .._core.concurrency import single_error
 from .._core.errors import SourceMismatchError, TransferError
+from .._core.lanes import LaneEvent
 from .._core.meta import ParamMeta
 from .._core.owners import OwnersLayout, pieces_by_param
 from .._core.plan import TransferPlan
 from .._core.source import WeightSource
 from .._core.stats import Progress
 from .._transports.base import SenderTransport
-from .lanes import LaneEvent
 
 if TYPE_CHECKING:
     from .engine import PipelinedTrainerEngine

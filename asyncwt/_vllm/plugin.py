@@ -51,7 +51,7 @@ def register_backend(backend: str) -> str:
         WeightTransferTrainerFactory,
     )
 
-    from .. import _registry
+    from .._core import registry as _registry
     from .._worker.engine import DeferredWorkerEngine
     from .trainer import vllm_trainer_engine_class
     from .worker import vllm_backend_name, vllm_worker_engine_class
@@ -81,7 +81,7 @@ def register() -> None:
     run inside vLLM. Safe to call more than once."""
     import asyncwt
 
-    from .. import _registry
+    from .._core import registry as _registry
     from .._worker.engine import DeferredWorkerEngine
     from .adapters import resolve_adapters_by_name, serve_adapters_from_memory
 

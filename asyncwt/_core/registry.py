@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from ._control.protocol import AnyWeightSyncClient
-from ._core.device import resolve_device
-from ._core.source import WeightSource
-from ._core.validate import check_str
-from ._trainer.base import TrainerInitInfo, TrainerWeightTransferEngine
-from ._worker.base import WeightTransferConfig, WeightTransferEngine
+from .device import resolve_device
+from .protocol import AnyWeightSyncClient
+from .source import WeightSource
+from .trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
+from .validate import check_str
+from .worker_api import WeightTransferConfig, WeightTransferEngine
 
 __all__ = [
     "create_worker_engine",

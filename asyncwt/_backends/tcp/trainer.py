@@ -1,54 +1,31 @@
 """The `"tcp"` backend, trainer side: every bucket streams over each worker's connection
-(star), or once down a chain of workers (see `asyncwt._transports.tcp.chain`)."""
+(star), or once down a chain of workers (see `asyncwt._backends.tcp.chain`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from typing_extensions import Self
 
-from ..._control.protocol import AnyWeightSyncClient
-from ..._core.bytes import byte_view
 from ..._core.errors import ControlPlaneError, TransferError
-from ..._core.plan import Bucket, TransferPlan
+from ..._core.lanes import LaneEvent
+from ..._core.plan import TransferPlan
+from ..._core.protocol import AnyWeightSyncClient
 from ..._core.source import WeightSource
 from ..._core.stats import Progress, RoundStats
-from ..._delta.links import DeltaLinks
 from ..._trainer.engine import PipelinedTrainerEngine, bounded_call
-from ..._trainer.lanes import LaneEvent
-from ..base import Segment, SenderTransport
-from ..link import LinkedSender
-from ..wire import FrameKind
+from ..._transports.base import SenderTransport
+from .chain import SENDERS, FleetSender
 from .members import Members
+from .sender import TcpSender
 from .settings import TcpTrainerInitInfo
-
-if TYPE_CHECKING:
-    from .chain import FleetSender
 
 __all__ = ["TcpSender", "TcpTrainerEngine"]
 
 logger = logging.getLogger("asyncwt")
-
-
-class TcpSender(LinkedSender):
-    """Sends each bucket (header, then its segments, scatter-gather) to every worker."""
-
-    min_view_bytes = 0
-
-    def __init__(self, info: TcpTrainerInitInfo, plan: TransferPlan) -> None:
-        super().__init__(info.link_settings(), plan)
-        self.delta = DeltaLinks.of(self.links, plan, info)
-
-    async def send_bucket(self, bucket: Bucket, slot: int, segments: list[Segment]) -> None:
-        if self.delta is not None:
-            await self.delta.send_bucket(bucket, segments)
-            return
-        header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=bucket.payload_bytes)
-        frame = [memoryview(header.pack()), *map(byte_view, segments)]
-        await self.links.each(self.links.send_frame, frame, f"bucket {bucket.index}")
 
 
 class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
@@ -75,8 +52,6 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         cls, info: TcpTrainerInitInfo, plan: TransferPlan, device: torch.device
     ) -> SenderTransport:
         if info.tracks_members:
-            from .chain import SENDERS
-
             return SENDERS[info.topology](info, plan)
         return TcpSender(info, plan)
 
@@ -109,8 +84,6 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         return engine
 
     def _fleet(self) -> tuple[FleetSender, Members] | None:
-        from .chain import FleetSender
-
         if isinstance(self.transport, FleetSender) and self.members is not None:
             return self.transport, self.members
         return None

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import register_trainer_engine, register_worker_engine, require
-from ._transports.cuda_ipc import CudaIpcTrainerEngine, CudaIpcWorkerEngine
-from ._transports.shm.backend import ShmTrainerEngine, ShmWorkerEngine
-from ._transports.tcp.trainer import TcpTrainerEngine
-from ._transports.tcp.worker import TcpWorkerEngine
-from ._transports.torch_dist import TorchDistTrainerEngine, TorchDistWorkerEngine
+from .._core.registry import register_trainer_engine, register_worker_engine, require
+from .cuda_ipc import CudaIpcTrainerEngine, CudaIpcWorkerEngine
+from .shm.backend import ShmTrainerEngine, ShmWorkerEngine
+from .tcp.trainer import TcpTrainerEngine
+from .tcp.worker import TcpWorkerEngine
+from .torch_dist import TorchDistTrainerEngine, TorchDistWorkerEngine
 
 register_trainer_engine("tcp", TcpTrainerEngine)
 register_worker_engine("tcp", TcpWorkerEngine)
