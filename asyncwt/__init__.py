@@ -14,24 +14,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch as _torch  # noqa: F401
 
-from . import _backends  # noqa: F401  (registers the built-in backends)
-from ._backends.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
-from ._backends.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
-from ._backends.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
-from ._backends.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
-from ._backends.shm.backend import ShmTrainerEngine as ShmTrainerEngine
-from ._backends.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
-from ._backends.shm.backend import ShmWorkerEngine as ShmWorkerEngine
-from ._backends.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
-from ._backends.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
-from ._backends.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
-from ._backends.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
-from ._backends.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
-from ._backends.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
-from ._backends.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
-from ._backends.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
-from ._backends.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
-from ._backends.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
+from . import _backends  # noqa: F401  (registers the built-in backends by name)
 from ._control.http import HttpClient as HttpClient
 from ._control.local import LocalClient as LocalClient
 from ._control.ray import RayClient as RayClient
@@ -82,6 +65,47 @@ from ._worker.ray_actor import worker_actor as worker_actor
 from ._worker.server import ServerLimits as ServerLimits
 from ._worker.server import build_app as build_app
 from ._worker.server import serve as serve
+
+if _typing.TYPE_CHECKING:
+    from ._backends.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
+    from ._backends.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
+    from ._backends.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
+    from ._backends.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
+    from ._backends.shm.backend import ShmTrainerEngine as ShmTrainerEngine
+    from ._backends.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
+    from ._backends.shm.backend import ShmWorkerEngine as ShmWorkerEngine
+    from ._backends.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
+    from ._backends.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
+    from ._backends.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
+    from ._backends.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
+    from ._backends.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
+    from ._backends.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
+    from ._backends.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
+    from ._backends.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
+    from ._backends.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
+    from ._backends.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
+
+_LAZY: dict[str, str] = {
+    "CudaIpcTrainerEngine": "asyncwt._backends.cuda_ipc",
+    "CudaIpcTrainerInitInfo": "asyncwt._backends.cuda_ipc",
+    "CudaIpcWorkerEngine": "asyncwt._backends.cuda_ipc",
+    "CudaIpcWorkerInitInfo": "asyncwt._backends.cuda_ipc",
+    "ShmTrainerEngine": "asyncwt._backends.shm.backend",
+    "ShmTrainerInitInfo": "asyncwt._backends.shm.backend",
+    "ShmWorkerEngine": "asyncwt._backends.shm.backend",
+    "ShmWorkerInitInfo": "asyncwt._backends.shm.backend",
+    "TcpTrainerEngine": "asyncwt._backends.tcp.trainer",
+    "TcpTrainerInitInfo": "asyncwt._backends.tcp.settings",
+    "TcpUpdateInfo": "asyncwt._backends.tcp.settings",
+    "TcpWorkerEngine": "asyncwt._backends.tcp.worker",
+    "TcpWorkerInitInfo": "asyncwt._backends.tcp.settings",
+    "TorchDistTrainerEngine": "asyncwt._backends.torch_dist",
+    "TorchDistTrainerInitInfo": "asyncwt._backends.torch_dist",
+    "TorchDistWorkerEngine": "asyncwt._backends.torch_dist",
+    "TorchDistWorkerInitInfo": "asyncwt._backends.torch_dist",
+}
+"""Public names of the built-in backends -> the module that defines each: imported on
+first use (`__getattr__`), so that `import asyncwt` loads no backend module."""
 
 __version__ = "0.1.0"
 
@@ -175,5 +199,23 @@ def _publish(obj: object) -> None:
 
 
 for _name in __all__:
-    _publish(globals()[_name])
-del _name, _publish
+    if _name not in _LAZY:
+        _publish(globals()[_name])
+del _name
+
+
+def __getattr__(name: str) -> object:
+    """A built-in backend's public name, its module imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    obj: object = getattr(importlib.import_module(module), name)
+    _publish(obj)
+    globals()[name] = obj
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

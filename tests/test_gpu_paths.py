@@ -29,13 +29,13 @@ from asyncwt import (
     TorchDistTrainerInitInfo,
     trainer_init,
 )
+from asyncwt._backends import cuda_ipc
 from asyncwt._backends.torch_dist import TorchDistSender
 from asyncwt._core.device import resolve_device
 from asyncwt._core.errors import TransferError
 from asyncwt._core.lanes import DeviceLane, LaneEvent
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
-from asyncwt._backends import cuda_ipc
 
 BUCKET_BYTES = 4096
 

@@ -24,12 +24,12 @@ import anyio
 import pytest
 import torch
 
+from asyncwt._backends import torch_dist
 from asyncwt._core.errors import TransferTimeoutError
 from asyncwt._core.meta import ParamMeta, Shard
 from asyncwt._core.owners import OwnersLayout, row_groups
 from asyncwt._core.plan import Slice, TransferPlan
 from asyncwt._core.source import ModuleSource
-from asyncwt._backends import torch_dist
 from asyncwt._transports.base import ReceivedBucket
 from asyncwt._vllm import worker as vllm_worker
 from asyncwt._worker import applier as applier_module

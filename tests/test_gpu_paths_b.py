@@ -30,6 +30,7 @@ from asyncwt import (
     TorchDistTrainerInitInfo,
     trainer_init,
 )
+from asyncwt._backends import cuda_ipc, torch_dist
 from asyncwt._backends.shm import backend as shm_backend
 from asyncwt._core import checksum, cuda_sync
 from asyncwt._core.errors import TransferError
@@ -40,7 +41,6 @@ from asyncwt._delta.codec import encode, unit_of
 from asyncwt._trainer import pipeline
 from asyncwt._trainer.engine import PipelinedTrainerEngine
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
-from asyncwt._backends import cuda_ipc, torch_dist
 from asyncwt._transports.base import ReceivedBucket, SenderTransport
 from asyncwt._worker.applier import ModelTarget
 
