@@ -14,12 +14,9 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch as _torch  # noqa: F401
 
-from . import _backends  # noqa: F401  (registers the built-in backends)
+from . import _backends  # noqa: F401  (registers the built-in backends by name)
 from ._control.http import HttpClient as HttpClient
 from ._control.local import LocalClient as LocalClient
-from ._control.protocol import AsyncWeightSyncClient as AsyncWeightSyncClient
-from ._control.protocol import VLLMWeightSyncClient as VLLMWeightSyncClient
-from ._control.protocol import WeightTransferUpdatePayload as WeightTransferUpdatePayload
 from ._control.ray import RayClient as RayClient
 from ._core.adapter import AdapterSource as AdapterSource
 from ._core.checksum import model_checksum as model_checksum
@@ -41,47 +38,74 @@ from ._core.meta import Placement as Placement
 from ._core.meta import Replicate as Replicate
 from ._core.meta import Shard as Shard
 from ._core.plan import TransferPlan as TransferPlan
+from ._core.protocol import AsyncWeightSyncClient as AsyncWeightSyncClient
+from ._core.protocol import VLLMWeightSyncClient as VLLMWeightSyncClient
+from ._core.protocol import WeightTransferUpdatePayload as WeightTransferUpdatePayload
+from ._core.registry import create_worker_engine as create_worker_engine
+from ._core.registry import register_trainer_engine as register_trainer_engine
+from ._core.registry import register_worker_engine as register_worker_engine
+from ._core.registry import registered_backends as registered_backends
+from ._core.registry import trainer_init as trainer_init
 from ._core.settings import RoundUpdateInfo as RoundUpdateInfo
 from ._core.source import ModuleSource as ModuleSource
 from ._core.source import WeightSource as WeightSource
 from ._core.source import materialize_full_tensor as materialize_full_tensor
 from ._core.stats import RoundStats as RoundStats
-from ._registry import create_worker_engine as create_worker_engine
-from ._registry import register_trainer_engine as register_trainer_engine
-from ._registry import register_worker_engine as register_worker_engine
-from ._registry import registered_backends as registered_backends
-from ._registry import trainer_init as trainer_init
-from ._trainer.base import TrainerInitInfo as TrainerInitInfo
-from ._trainer.base import TrainerWeightTransferEngine as TrainerWeightTransferEngine
+from ._core.trainer_api import TrainerInitInfo as TrainerInitInfo
+from ._core.trainer_api import TrainerWeightTransferEngine as TrainerWeightTransferEngine
+from ._core.worker_api import WeightTransferConfig as WeightTransferConfig
+from ._core.worker_api import WeightTransferEngine as WeightTransferEngine
+from ._core.worker_api import WeightTransferInitInfo as WeightTransferInitInfo
+from ._core.worker_api import WeightTransferInitRequest as WeightTransferInitRequest
+from ._core.worker_api import WeightTransferUpdateInfo as WeightTransferUpdateInfo
+from ._core.worker_api import WeightTransferUpdateRequest as WeightTransferUpdateRequest
 from ._trainer.blocking import SyncTrainerEngine as SyncTrainerEngine
-from ._transports.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
-from ._transports.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
-from ._transports.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
-from ._transports.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
-from ._transports.shm.backend import ShmTrainerEngine as ShmTrainerEngine
-from ._transports.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
-from ._transports.shm.backend import ShmWorkerEngine as ShmWorkerEngine
-from ._transports.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
-from ._transports.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
-from ._transports.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
-from ._transports.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
-from ._transports.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
-from ._transports.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
-from ._transports.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
-from ._transports.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
-from ._transports.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
-from ._transports.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
-from ._worker.base import WeightTransferConfig as WeightTransferConfig
-from ._worker.base import WeightTransferEngine as WeightTransferEngine
-from ._worker.base import WeightTransferInitInfo as WeightTransferInitInfo
-from ._worker.base import WeightTransferInitRequest as WeightTransferInitRequest
-from ._worker.base import WeightTransferUpdateInfo as WeightTransferUpdateInfo
-from ._worker.base import WeightTransferUpdateRequest as WeightTransferUpdateRequest
 from ._worker.ray_actor import WorkerActor as WorkerActor
 from ._worker.ray_actor import worker_actor as worker_actor
 from ._worker.server import ServerLimits as ServerLimits
 from ._worker.server import build_app as build_app
 from ._worker.server import serve as serve
+
+if _typing.TYPE_CHECKING:
+    from ._backends.cuda_ipc import CudaIpcTrainerEngine as CudaIpcTrainerEngine
+    from ._backends.cuda_ipc import CudaIpcTrainerInitInfo as CudaIpcTrainerInitInfo
+    from ._backends.cuda_ipc import CudaIpcWorkerEngine as CudaIpcWorkerEngine
+    from ._backends.cuda_ipc import CudaIpcWorkerInitInfo as CudaIpcWorkerInitInfo
+    from ._backends.shm.backend import ShmTrainerEngine as ShmTrainerEngine
+    from ._backends.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
+    from ._backends.shm.backend import ShmWorkerEngine as ShmWorkerEngine
+    from ._backends.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
+    from ._backends.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
+    from ._backends.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
+    from ._backends.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
+    from ._backends.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
+    from ._backends.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
+    from ._backends.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
+    from ._backends.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
+    from ._backends.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
+    from ._backends.torch_dist import TorchDistWorkerInitInfo as TorchDistWorkerInitInfo
+
+_LAZY: dict[str, str] = {
+    "CudaIpcTrainerEngine": "asyncwt._backends.cuda_ipc",
+    "CudaIpcTrainerInitInfo": "asyncwt._backends.cuda_ipc",
+    "CudaIpcWorkerEngine": "asyncwt._backends.cuda_ipc",
+    "CudaIpcWorkerInitInfo": "asyncwt._backends.cuda_ipc",
+    "ShmTrainerEngine": "asyncwt._backends.shm.backend",
+    "ShmTrainerInitInfo": "asyncwt._backends.shm.backend",
+    "ShmWorkerEngine": "asyncwt._backends.shm.backend",
+    "ShmWorkerInitInfo": "asyncwt._backends.shm.backend",
+    "TcpTrainerEngine": "asyncwt._backends.tcp.trainer",
+    "TcpTrainerInitInfo": "asyncwt._backends.tcp.settings",
+    "TcpUpdateInfo": "asyncwt._backends.tcp.settings",
+    "TcpWorkerEngine": "asyncwt._backends.tcp.worker",
+    "TcpWorkerInitInfo": "asyncwt._backends.tcp.settings",
+    "TorchDistTrainerEngine": "asyncwt._backends.torch_dist",
+    "TorchDistTrainerInitInfo": "asyncwt._backends.torch_dist",
+    "TorchDistWorkerEngine": "asyncwt._backends.torch_dist",
+    "TorchDistWorkerInitInfo": "asyncwt._backends.torch_dist",
+}
+"""Public names of the built-in backends -> the module that defines each: imported on
+first use (`__getattr__`), so that `import asyncwt` loads no backend module."""
 
 __version__ = "0.1.0"
 
@@ -175,5 +199,23 @@ def _publish(obj: object) -> None:
 
 
 for _name in __all__:
-    _publish(globals()[_name])
-del _name, _publish
+    if _name not in _LAZY:
+        _publish(globals()[_name])
+del _name
+
+
+def __getattr__(name: str) -> object:
+    """A built-in backend's public name, its module imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    obj: object = getattr(importlib.import_module(module), name)
+    _publish(obj)
+    globals()[name] = obj
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

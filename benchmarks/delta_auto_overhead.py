@@ -26,7 +26,7 @@ import torch
 
 from asyncwt import HttpClient, ModuleSource, trainer_init
 from asyncwt._bench._model import MODEL_ENV, SyntheticLlama, fill_random
-from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._worker.launch import start_worker, stop_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delta_trajectory import WORKER_MODEL, shape_for, trainer_info

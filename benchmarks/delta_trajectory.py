@@ -48,7 +48,7 @@ from asyncwt import (
     trainer_init,
 )
 from asyncwt._bench._model import MODEL_ENV, LlamaShape, SyntheticLlama
-from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._worker.launch import start_worker, stop_worker
 
 HEAD_DIM = 64
 WORKER_MODEL = "asyncwt._bench._model:worker_model"
@@ -331,7 +331,7 @@ def run_in_cluster(args: argparse.Namespace) -> dict[str, Any]:
     import subprocess
 
     from asyncwt._bench.cluster.hosts import Cluster, check_support
-    from asyncwt._cli.launch import spawn_worker, wait_for_url
+    from asyncwt._worker.launch import spawn_worker, wait_for_url
     from asyncwt._worker.server import API_KEY_ENV
 
     check_support()

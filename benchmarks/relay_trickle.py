@@ -54,7 +54,7 @@ async def _rounds(
     procs: list[tuple[subprocess.Popen[bytes], str]], rounds: int
 ) -> tuple[list[float], list[float], list[float]]:
     import asyncwt
-    from asyncwt._transports.tcp.chain import ChainSender
+    from asyncwt._backends.tcp.chain import ChainSender
 
     source_model = model()
     quiet: list[float] = []
@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=16, help="model size")
     args = parser.parse_args()
 
-    from asyncwt._cli.launch import start_worker, stop_worker
+    from asyncwt._worker.launch import start_worker, stop_worker
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)

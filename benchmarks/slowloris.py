@@ -144,7 +144,7 @@ def main() -> int:
         asyncio.run(_slowloris(host, int(port), int(count)))
         return 0
 
-    from asyncwt._cli.launch import worker_process
+    from asyncwt._worker.launch import worker_process
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from asyncwt import HttpClient, ModuleSource, TcpTrainerInitInfo, model_checksum, trainer_init
-from asyncwt._cli.launch import worker_process  # starts `asyncwt worker` (a private helper)
+from asyncwt._worker.launch import worker_process  # starts `asyncwt worker` (a private helper)
 
 WORLD_SIZE = 2
 HERE = Path(__file__).resolve().parent

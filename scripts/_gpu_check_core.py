@@ -132,7 +132,7 @@ def free_port() -> int:
 def workers(*specs: tuple[Any, ...]) -> Iterator[list[str]]:
     """Start one `asyncwt worker` child per `(factory, backend[, env])` (factories from
     `_gpu_check_models`), all at once; yield their URLs; stop them all on exit."""
-    from asyncwt._cli.launch import start_worker, stop_worker
+    from asyncwt._worker.launch import start_worker, stop_worker
 
     def start(spec: tuple[Any, ...]) -> Any:
         factory, backend, *env = spec

@@ -267,7 +267,7 @@ def resolve(ref: Ref) -> None:
     is not yet an attribute of `a`, as a later import in the check would have); raise
     what fails. A backend must be registered once asyncwt is imported."""
     if ref.backend:
-        from asyncwt._registry import registered_backends
+        from asyncwt._core.registry import registered_backends
 
         known = registered_backends()
         if not any(ref.module in names for names in known.values()):

@@ -32,14 +32,14 @@ from asyncwt import (
     TransferError,
     TransferPlan,
 )
+from asyncwt._backends.shm.ring import RingReceiver
+from asyncwt._backends.tcp.worker import TcpReceiver
 from asyncwt._transports import link as _link
 from asyncwt._transports import sockio as _sockio
 from asyncwt._transports.link import LinkSettings, Peer, TrainerLinks, WorkerLink
-from asyncwt._transports.shm.ring import RingReceiver
-from asyncwt._transports.tcp.worker import TcpReceiver
+from asyncwt._transports.pool import ReceivePool
 from asyncwt._transports.wire import HELLO_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget
-from asyncwt._worker.engine import ReceivePool
 
 T = TypeVar("T")
 

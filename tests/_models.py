@@ -135,7 +135,7 @@ def mixed_cuda() -> nn.Module:
 def mixed_reading_the_ring() -> nn.Module:
     """`mixed`, in a worker process whose shm receiver never reads the trainer's
     memory: its read probe is made to fail, as a ptrace restriction would."""
-    from asyncwt._transports.shm import cma as _cma
+    from asyncwt._backends.shm import cma as _cma
 
     _cma.probe_reads = lambda probe: "the test made this worker read the ring"
     return Mixed()

@@ -19,8 +19,8 @@ import pytest
 from _faults import assert_worker_has, info_for, worker_env
 
 from asyncwt import HttpClient, ModuleSource, trainer_init
-from asyncwt._cli.launch import worker_process
 from asyncwt._transports.wire import pack_hello
+from asyncwt._worker.launch import worker_process
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

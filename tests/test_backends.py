@@ -40,11 +40,11 @@ from asyncwt import (
     TrainerInitInfo,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
 from asyncwt._core import sched as _sched
 from asyncwt._core.plan import TransferPlan
 from asyncwt._core.sched import BULK_SLICE_NS, SHORT_SLICE_NS, thread_slice_ns
 from asyncwt._trainer import pipeline as _pipeline
+from asyncwt._worker.launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])

@@ -48,11 +48,11 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._registry import create_worker_engine
-from asyncwt._transports.tcp.chain import ChainSender
-from asyncwt._transports.tcp.members import Members
-from asyncwt._transports.tcp.trainer import TcpTrainerEngine
-from asyncwt._worker.base import WeightTransferEngine
+from asyncwt._backends.tcp.chain import ChainSender
+from asyncwt._backends.tcp.members import Members
+from asyncwt._backends.tcp.trainer import TcpTrainerEngine
+from asyncwt._core.registry import create_worker_engine
+from asyncwt._core.worker_api import WeightTransferEngine
 
 SEED = 20261202
 KILL_POINTS = 10

@@ -32,10 +32,10 @@ from asyncwt import (
     TransferAbortedError,
     trainer_init,
 )
+from asyncwt._backends.tcp.admission import MAX_PENDING, Admission
+from asyncwt._backends.tcp.chain import ChainSender
+from asyncwt._backends.tcp.trainer import TcpTrainerEngine
 from asyncwt._transports.sockio import recv_exact
-from asyncwt._transports.tcp.admission import MAX_PENDING, Admission
-from asyncwt._transports.tcp.chain import ChainSender
-from asyncwt._transports.tcp.trainer import TcpTrainerEngine
 from asyncwt._transports.wire import (
     CHALLENGE_SIZE,
     HELLO_SIZE,

@@ -61,7 +61,7 @@ BACKENDS = "registered backends: " + ", ".join(repr(name) for name in BUILT_IN)
 def only_built_in_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lines name the registered backends: hide those other test modules register
     in this process (`tests/_server_models.py`), whatever ran before."""
-    from asyncwt import _registry
+    from asyncwt._core import registry as _registry
 
     built_in = {k: v for k, v in _registry._WORKER_ENGINES.items() if k in BUILT_IN}
     assert sorted(built_in) == list(BUILT_IN), sorted(_registry._WORKER_ENGINES)

@@ -19,11 +19,11 @@ from asyncwt import ModuleSource, TcpTrainerInitInfo
 from asyncwt._core.errors import ProtocolError
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._delta.links import delta_sender
-from asyncwt._delta.receiver import delta_receiver
 from asyncwt._transports.base import LandingTarget, ReceiveBuffers, ReceivedBucket
 from asyncwt._transports.link import Peer, WorkerLink
 from asyncwt._transports.sockio import recv_exact
 from asyncwt._transports.wire import Frame, FrameKind, digest_prefix
+from asyncwt._worker.delta import delta_receiver
 
 HELD = 0xDEADBEEF
 

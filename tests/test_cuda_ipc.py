@@ -20,7 +20,7 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
+from asyncwt._worker.launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
 

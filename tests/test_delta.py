@@ -49,11 +49,11 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import start_worker, stop_worker
 from asyncwt._core.bytes import byte_view
 from asyncwt._core.errors import ProtocolError
 from asyncwt._core.meta import ParamMeta
 from asyncwt._core.plan import Bucket, Slice, TransferPlan
+from asyncwt._core.trainer_api import TrainerInitInfo
 from asyncwt._delta.codec import (
     DELTA_HEADER_SIZE,
     DeltaHeader,
@@ -65,8 +65,8 @@ from asyncwt._delta.codec import (
     unit_of,
 )
 from asyncwt._delta.sender import DeltaSender
-from asyncwt._trainer.base import TrainerInitInfo
 from asyncwt._transports.wire import FRAME_SIZE
+from asyncwt._worker.launch import start_worker, stop_worker
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

@@ -46,10 +46,10 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
+from asyncwt._backends.shm.backend import ShmSender
 from asyncwt._delta.links import DeltaLinks
 from asyncwt._transports.link import Peer
-from asyncwt._transports.shm.backend import ShmSender
+from asyncwt._worker.launch import worker_process
 
 SEED = 20261203
 

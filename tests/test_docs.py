@@ -215,7 +215,7 @@ def test_commands_in_the_readme_and_docs_use_real_options(command: str) -> None:
 @pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
     """The README's worker command (on a free port) and its trainer, from examples/."""
-    from asyncwt._cli.launch import start_worker, stop_worker
+    from asyncwt._worker.launch import start_worker, stop_worker
 
     text = README.read_text()
     worker = re.search(r"^    cd examples && (asyncwt worker .*) --port 8100$", text, re.MULTILINE)

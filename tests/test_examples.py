@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncwt._cli.launch import worker_process
+from asyncwt._worker.launch import worker_process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -51,7 +51,7 @@ def test_every_example_starts_with_a_docstring_and_is_tested() -> None:
 
 def test_examples_use_only_public_names() -> None:
     allowed_private = {
-        "asyncwt._cli.launch",  # worker_process: starts `asyncwt worker`
+        "asyncwt._worker.launch",  # worker_process: starts `asyncwt worker`
     }
     for path in EXAMPLES.glob("*.py"):
         for module in re.findall(r"^\s*from (asyncwt\.\w+) import", path.read_text(), re.MULTILINE):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import types
 import typing
 
@@ -57,10 +59,11 @@ def test_all_has_no_duplicates() -> None:
 
 
 def test_every_public_attribute_is_listed_in_all() -> None:
+    # dir(), not vars(): a built-in backend's names load on first use (module __getattr__).
     public = {
         name
-        for name, value in vars(asyncwt).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        for name in dir(asyncwt)
+        if not name.startswith("_") and not isinstance(getattr(asyncwt, name), types.ModuleType)
     }
 
     assert public == set(asyncwt.__all__)
@@ -115,3 +118,20 @@ def test_issue_required_name_is_public(name: str) -> None:
 def test_version_is_a_string() -> None:
     assert isinstance(asyncwt.__version__, str)
     assert asyncwt.__version__
+
+
+@pytest.mark.slow
+def test_import_asyncwt_loads_no_backend_module_until_one_is_used() -> None:
+    """Backends are registered by name and imported on first use: a fresh
+    `import asyncwt` loads none of them; asking for a public backend name loads its."""
+    code = (
+        "import sys, asyncwt\n"
+        "print(sorted(m for m in sys.modules if m.startswith('asyncwt._backends.')))\n"
+        "asyncwt.ShmTrainerInitInfo\n"
+        "print('asyncwt._backends.shm.backend' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
+
+    assert out[:2] == ["[]", "True"]

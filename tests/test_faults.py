@@ -54,7 +54,7 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import start_worker, stop_worker, worker_process
+from asyncwt._worker.launch import start_worker, stop_worker, worker_process
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

@@ -90,6 +90,7 @@ from asyncwt import (
 )
 from asyncwt._core.plan import TransferPlan
 from asyncwt._transports.link import Peer, connect_link
+from asyncwt._transports.pool import ReceivePool
 from asyncwt._transports.wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
@@ -107,7 +108,6 @@ from asyncwt._transports.wire import (
     pack_proof,
     pack_result,
 )
-from asyncwt._worker.engine import ReceivePool
 from asyncwt._worker.server import build_app
 
 # -- how many cases ran -----------------------------------------------------------------

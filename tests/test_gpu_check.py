@@ -161,7 +161,7 @@ def test_import_asyncwt_needs_no_zstandard() -> None:
     # import without it (a delta round imports it when it first codes a body).
     code = (
         "import sys; sys.modules['zstandard'] = None\n"
-        "import asyncwt, asyncwt._cli.main, asyncwt._delta.receiver, asyncwt._delta.sender\n"
+        "import asyncwt, asyncwt._cli.main, asyncwt._worker.delta, asyncwt._delta.sender\n"
         "print('imported')"
     )
     done = subprocess.run(
@@ -210,7 +210,7 @@ CHECK_SOURCE = textwrap.dedent(
     def moved_module(figures):
         import torch
 
-        from asyncwt._trainer.base import pipeline
+        from asyncwt._core.trainer_api import pipeline
 
         torch.cuda._sleep(1)
         with workers(("staging", "tcp"), ("no_such_factory", "no_such_backend")):
@@ -231,7 +231,7 @@ def test_discover_reads_bodies_helpers_code_strings_chains_and_worker_specs(
     source.write_text(CHECK_SOURCE)
     owners = {str(ref): sorted(who) for ref, who in preflight.discover([source]).items()}
     assert owners["asyncwt._trainer.pipeline._copy_into_gone"] == ["uses-helper"]
-    assert owners["asyncwt._trainer.base.pipeline"] == ["moved-module"]
+    assert owners["asyncwt._core.trainer_api.pipeline"] == ["moved-module"]
     assert owners["torch.cuda._sleep"] == ["moved-module"]
     assert owners["_gpu_check_models.staging"] == ["moved-module"]
     assert owners["_gpu_check_models.no_such_factory"] == ["moved-module"]
@@ -253,8 +253,8 @@ def test_preflight_probe_names_what_does_not_resolve_and_passes_the_rest(
         "asyncwt._trainer.pipeline._copy_into_gone": (
             "AttributeError: asyncwt._trainer.pipeline has no attribute '_copy_into_gone'"
         ),
-        "asyncwt._trainer.base.pipeline": (
-            "AttributeError: asyncwt._trainer.base has no attribute 'pipeline'"
+        "asyncwt._core.trainer_api.pipeline": (
+            "AttributeError: asyncwt._core.trainer_api has no attribute 'pipeline'"
         ),
         "_gpu_check_models.no_such_factory": (
             "AttributeError: _gpu_check_models has no attribute 'no_such_factory'"
@@ -478,14 +478,18 @@ def test_a_preflight_failure_blocks_only_the_checks_that_need_it(
 ) -> None:
     module = _load_script(monkeypatch)
     failures = [
-        {"what": "asyncwt._trainer.base.pipeline", "error": "AttributeError: x", "blocks": ["a"]},
+        {
+            "what": "asyncwt._core.trainer_api.pipeline",
+            "error": "AttributeError: x",
+            "blocks": ["a"],
+        },
         {"what": "backend 'shm'", "error": "LookupError: y", "blocks": ["a", "b"]},
     ]
     assert module.blocked_by(failures) == {
-        "a": "preflight: asyncwt._trainer.base.pipeline: AttributeError: x",
+        "a": "preflight: asyncwt._core.trainer_api.pipeline: AttributeError: x",
         "b": "preflight: backend 'shm': LookupError: y",
     }
     assert module.group_failures(failures) == [
-        ("AttributeError: x", ["asyncwt._trainer.base.pipeline"], ["a"]),
+        ("AttributeError: x", ["asyncwt._core.trainer_api.pipeline"], ["a"]),
         ("LookupError: y", ["backend 'shm'"], ["a", "b"]),
     ]

@@ -29,13 +29,13 @@ from asyncwt import (
     TorchDistTrainerInitInfo,
     trainer_init,
 )
+from asyncwt._backends import cuda_ipc
+from asyncwt._backends.torch_dist import TorchDistSender
 from asyncwt._core.device import resolve_device
 from asyncwt._core.errors import TransferError
+from asyncwt._core.lanes import DeviceLane, LaneEvent
 from asyncwt._core.plan import Bucket, TransferPlan
-from asyncwt._trainer.lanes import DeviceLane, LaneEvent
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, _runs_on_device, run_pipeline
-from asyncwt._transports import cuda_ipc
-from asyncwt._transports.torch_dist import TorchDistSender
 
 BUCKET_BYTES = 4096
 
@@ -283,7 +283,7 @@ def test_every_cuda_event_sleeps_instead_of_spinning(monkeypatch: pytest.MonkeyP
     lane = DeviceLane(torch.device("cuda", 1))
     lane.record()
     lane.record_caller()
-    from asyncwt._trainer.lanes import wait_for_stream
+    from asyncwt._core.lanes import wait_for_stream
 
     wait_for_stream(_FakeStream())
     anyio.run(DeviceLane.wait, lane.record())
@@ -306,7 +306,7 @@ torch.cuda.init = spy("init", torch.cuda.init)
 torch.cuda._lazy_init = spy("_lazy_init", torch.cuda._lazy_init)
 if hasattr(torch._C, "_cuda_getDeviceCount"):  # CUDA builds only
     torch._C._cuda_getDeviceCount = spy("_cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
-import asyncwt, asyncwt._vllm.plugin, asyncwt._transports.cuda_ipc, asyncwt._transports.torch_dist
+import asyncwt, asyncwt._vllm.plugin, asyncwt._backends.cuda_ipc, asyncwt._backends.torch_dist
 print(calls, torch.cuda.is_initialized())
 """
 

@@ -24,12 +24,12 @@ import anyio
 import pytest
 import torch
 
+from asyncwt._backends import torch_dist
 from asyncwt._core.errors import TransferTimeoutError
 from asyncwt._core.meta import ParamMeta, Shard
 from asyncwt._core.owners import OwnersLayout, row_groups
 from asyncwt._core.plan import Slice, TransferPlan
 from asyncwt._core.source import ModuleSource
-from asyncwt._transports import torch_dist
 from asyncwt._transports.base import ReceivedBucket
 from asyncwt._vllm import worker as vllm_worker
 from asyncwt._worker import applier as applier_module
@@ -452,7 +452,7 @@ def test_a_staged_commit_returns_only_once_its_copies_are_done(
 ) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=4096)
-    from asyncwt._trainer.lanes import DeviceLane as real_lane
+    from asyncwt._core.lanes import DeviceLane as real_lane
 
     # The model's device as a GPU: the lane's stream is a fake one named "commit".
     monkeypatch.setattr(applier_module, "DeviceLane", lambda device: real_lane(GPU), raising=False)

@@ -16,7 +16,7 @@ import pytest
 from _faults import info_for, worker_env
 
 from asyncwt import ControlPlaneError, HttpClient, ModuleSource, model_checksum, trainer_init
-from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._worker.launch import start_worker, stop_worker
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

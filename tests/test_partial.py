@@ -25,8 +25,8 @@ from asyncwt import (
     create_worker_engine,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
 from asyncwt._core.checksum import model_checksum
+from asyncwt._worker.launch import worker_process
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from asyncwt._core.bytes import byte_view
+from asyncwt._core.lanes import DeviceLane
 from asyncwt._core.plan import Bucket, TransferPlan
 from asyncwt._core.source import ModuleSource
-from asyncwt._trainer.lanes import DeviceLane
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
 from asyncwt._transports.base import Settle
 

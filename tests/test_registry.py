@@ -18,13 +18,13 @@ from asyncwt import (
     WeightSource,
     WeightTransferConfig,
     WeightTransferEngine,
-    _registry,
     create_worker_engine,
     register_trainer_engine,
     register_worker_engine,
     registered_backends,
     trainer_init,
 )
+from asyncwt._core import registry as _registry
 
 
 @pytest.fixture(autouse=True)
@@ -356,3 +356,28 @@ def test_create_worker_engine_unknown_backend_with_empty_registry_says_none(
         create_worker_engine(
             WeightTransferConfig(backend="test-registry-missing"), model=torch.nn.Linear(2, 2)
         )
+
+
+def test_a_lazily_registered_backend_is_imported_when_first_asked_for() -> None:
+    _registry.register_lazy(
+        "test-registry-lazy",
+        trainer="asyncwt._backends.tcp.trainer:TcpTrainerEngine",
+        worker="asyncwt._backends.tcp.worker:TcpWorkerEngine",
+    )
+    assert _registry._WORKER_ENGINES["test-registry-lazy"] == (
+        "asyncwt._backends.tcp.worker:TcpWorkerEngine"
+    )
+    assert "test-registry-lazy" in registered_backends()["worker"]
+
+    assert _registry.worker_engine_class("test-registry-lazy") is asyncwt.TcpWorkerEngine
+    assert _registry._WORKER_ENGINES["test-registry-lazy"] is asyncwt.TcpWorkerEngine
+
+
+def test_a_lazy_registration_names_module_and_class() -> None:
+    with pytest.raises(ValueError, match="'module:Class', got 'TcpTrainerEngine'"):
+        _registry.register_lazy("test-registry-lazy", trainer="TcpTrainerEngine", worker="m:C")
+
+
+def test_registering_a_lazily_registered_name_again_names_its_class() -> None:
+    with pytest.raises(ValueError, match=r"already registered \(to TcpTrainerEngine\)"):
+        register_trainer_engine("tcp", _FakeTrainerEngine)

@@ -39,7 +39,7 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
+from asyncwt._worker.launch import worker_process
 from asyncwt._worker.rounds import RoundState
 from asyncwt._worker.server import build_app
 

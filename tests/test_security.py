@@ -319,7 +319,7 @@ async def test_a_worker_with_an_api_key_refuses_every_route_without_it(
     from _faults import assert_worker_has, worker_env
 
     from asyncwt import HttpClient
-    from asyncwt._cli.launch import worker_process
+    from asyncwt._worker.launch import worker_process
 
     key = secrets.token_urlsafe(24)
     if how == "flag-on-loopback":
@@ -405,7 +405,7 @@ async def test_a_round_from_a_stranger_cannot_break_the_trainers_link() -> None:
     from _faults import SMALL_TIMEOUTS, assert_worker_has, worker_env
 
     from asyncwt import HttpClient
-    from asyncwt._cli.launch import worker_process
+    from asyncwt._worker.launch import worker_process
 
     with worker_process("_models:mixed", "--backend", "tcp", env=worker_env()) as url:
         async with HttpClient(url) as client, HttpClient(url) as stranger:

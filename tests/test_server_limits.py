@@ -27,7 +27,7 @@ import pytest
 from _faults import assert_worker_has, info_for, proc_rss, read_line, worker_env
 
 from asyncwt import HttpClient, ModuleSource, WeightTransferConfig, trainer_init
-from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._worker.launch import start_worker, stop_worker
 from asyncwt._worker.server import serve
 from asyncwt._worker.server_limits import ServerLimits, ThrottledLog
 

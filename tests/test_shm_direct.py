@@ -35,12 +35,8 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
-from asyncwt._cli.launch import start_worker, stop_worker, worker_process
-from asyncwt._core.bytes import byte_view
-from asyncwt._core.plan import TransferPlan
-from asyncwt._transports.link import Peer, WorkerLink
-from asyncwt._transports.shm.backend import ShmReceiver, ShmSender
-from asyncwt._transports.shm.cma import (
+from asyncwt._backends.shm.backend import ShmReceiver, ShmSender
+from asyncwt._backends.shm.cma import (
     DEFAULT_STREAMS,
     MAX_STREAMS,
     PROBE_BYTES,
@@ -53,16 +49,20 @@ from asyncwt._transports.shm.cma import (
     read_from,
     split_ranges,
 )
+from asyncwt._core.bytes import byte_view
+from asyncwt._core.plan import TransferPlan
+from asyncwt._transports.link import Peer, WorkerLink
+from asyncwt._transports.pool import ReceivePool
 from asyncwt._transports.wire import FRAME_SIZE, Frame, FrameKind, digest_prefix
 from asyncwt._worker.applier import ModelTarget
-from asyncwt._worker.engine import ReceivePool
+from asyncwt._worker.launch import start_worker, stop_worker, worker_process
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
 def _probe_from_child(probe: ReadProbe) -> str:
     code = (
-        "import sys; from asyncwt._transports.shm.cma import ReadProbe, probe_reads; "
+        "import sys; from asyncwt._backends.shm.cma import ReadProbe, probe_reads; "
         "print(probe_reads(ReadProbe(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))"
     )
     args = [sys.executable, "-c", code, str(probe.pid), str(probe.address), probe.nonce]
@@ -431,7 +431,7 @@ def test_a_ready_that_claims_direct_reads_needs_the_offer(offered: bool) -> None
 def probe_elsewhere() -> Iterator[ReadProbe]:
     """A read probe held by another process (a child that waits on its stdin)."""
     code = (
-        "import sys; from asyncwt._transports.shm.cma import ReadProbe; probe, buffer = ReadProbe.create(); "
+        "import sys; from asyncwt._backends.shm.cma import ReadProbe; probe, buffer = ReadProbe.create(); "
         "print(probe.pid, probe.address, probe.nonce, flush=True); sys.stdin.read()"
     )
     with subprocess.Popen(

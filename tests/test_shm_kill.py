@@ -12,7 +12,7 @@ import sys
 import pytest
 from _faults import read_line, worker_env
 
-from asyncwt._transports.shm import memfd as _memfd
+from asyncwt._backends.shm import memfd as _memfd
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from _faults import (
 )
 
 from asyncwt import HttpClient, SourceMismatchError, trainer_init
-from asyncwt._cli.launch import start_worker, stop_worker
+from asyncwt._worker.launch import start_worker, stop_worker
 
 ROUNDS = int(os.environ.get("ASYNCWT_SOAK_ROUNDS", "50"))
 """Rounds per backend; CI runs 50, a long soak sets ASYNCWT_SOAK_ROUNDS (e.g. 300)."""

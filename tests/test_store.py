@@ -19,8 +19,7 @@ import torch.distributed as dist
 from _faults import assert_worker_has, info_for, worker_env
 
 from asyncwt import AuthenticationError, HttpClient, ModuleSource, TransferPlan, trainer_init
-from asyncwt._cli.launch import worker_process
-from asyncwt._transports.torch_dist_store import StoreClient, StoreServer, store_digest
+from asyncwt._backends.torch_dist_store import StoreClient, StoreServer, store_digest
 from asyncwt._transports.wire import (
     CHALLENGE_SIZE,
     RESULT_SIZE,
@@ -28,6 +27,7 @@ from asyncwt._transports.wire import (
     pack_hello,
     pack_proof,
 )
+from asyncwt._worker.launch import worker_process
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
 

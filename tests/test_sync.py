@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from asyncwt import HttpClient, ModuleSource, SyncTrainerEngine, TcpTrainerInitInfo
-from asyncwt._cli.launch import worker_process
 from asyncwt._core.checksum import model_checksum
-from asyncwt._worker.base import WeightTransferConfig
+from asyncwt._core.worker_api import WeightTransferConfig
+from asyncwt._worker.launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
 

@@ -19,10 +19,10 @@ from asyncwt import (
     TorchDistWorkerInitInfo,
     trainer_init,
 )
-from asyncwt._cli.launch import worker_process
+from asyncwt._backends import torch_dist as _torch_dist
+from asyncwt._backends.torch_dist import gpu_uuid
 from asyncwt._core.plan import TransferPlan
-from asyncwt._transports import torch_dist as _torch_dist
-from asyncwt._transports.torch_dist import gpu_uuid
+from asyncwt._worker.launch import worker_process
 
 TESTS = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ from asyncwt import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from asyncwt._control.protocol import call_client
+from asyncwt._core.protocol import call_client
 
 
 @dataclass

@@ -405,8 +405,8 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
     """topology="chain" through the plugin: the vLLM server forwards to an asyncwt worker
     (or receives from one); generation follows the weights and the asyncwt worker holds
     the trainer's bytes exactly, having received them only through its neighbour."""
-    from asyncwt._cli.launch import worker_process
     from asyncwt._core.checksum import model_checksum
+    from asyncwt._worker.launch import worker_process
 
     trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=3)
     env = dict(

@@ -34,10 +34,10 @@ from typing_extensions import Self
 
 from .._control.http import HttpClient
 from .._core.checksum import model_checksum
+from .._core.registry import registered_backends, trainer_init
 from .._core.source import ModuleSource, WeightSource
 from .._core.stats import RoundStats
-from .._registry import registered_backends, trainer_init
-from .._trainer.base import TrainerInitInfo
+from .._core.trainer_api import TrainerInitInfo
 from .._transports.sockio import readable
 from ._cpu import CpuMeter, median_cores
 from ._memory import MemoryProbe
@@ -120,10 +120,10 @@ class BackendEntry:
 
 
 BACKENDS: tuple[BackendEntry, ...] = (
-    BackendEntry(name="tcp", info_class="asyncwt._transports.tcp.settings:TcpTrainerInitInfo"),
-    BackendEntry(name="shm", info_class="asyncwt._transports.shm.backend:ShmTrainerInitInfo"),
+    BackendEntry(name="tcp", info_class="asyncwt._backends.tcp.settings:TcpTrainerInitInfo"),
+    BackendEntry(name="shm", info_class="asyncwt._backends.shm.backend:ShmTrainerInitInfo"),
     BackendEntry(
-        name="torch_dist", info_class="asyncwt._transports.torch_dist:TorchDistTrainerInitInfo"
+        name="torch_dist", info_class="asyncwt._backends.torch_dist:TorchDistTrainerInitInfo"
     ),
 )
 """Every backend the benchmark can run, in report order; a new one is one entry."""

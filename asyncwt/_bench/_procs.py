@@ -22,7 +22,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from .._cli.launch import WorkerStartError, spawn_worker, stop_worker, wait_for_url
+from .._worker.launch import WorkerStartError, spawn_worker, stop_worker, wait_for_url
 
 __all__ = [
     "READY",

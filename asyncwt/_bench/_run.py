@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from .._backends.shm.cma import ReadProbe
 from .._core.checksum import model_checksum
 from .._core.plan import TransferPlan
 from .._core.source import ModuleSource
-from .._transports.shm.cma import ReadProbe
-from .._worker.base import WeightTransferConfig
+from .._core.worker_api import WeightTransferConfig
 from ._engines import BackendEntry, EngineConfig, TrainerJob, available_backends, run_trainer
 from ._floors import gather_wire_floors, transform_floor
 from ._limits import measure_memcpy, measure_raw_loopback
@@ -590,7 +590,7 @@ def _gather_alone(
 
 
 _PROBE_CHILD = (
-    "import sys; from asyncwt._transports.shm.cma import ReadProbe, probe_reads; "
+    "import sys; from asyncwt._backends.shm.cma import ReadProbe, probe_reads; "
     "sys.exit(probe_reads(ReadProbe(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])) is not None)"
 )
 

@@ -13,12 +13,12 @@ import asyncio
 import torch
 from torch import nn
 
+from .._backends.tcp.settings import TcpTrainerInitInfo
 from .._control.http import HttpClient
 from .._core.checksum import model_checksum
+from .._core.registry import trainer_init
 from .._core.source import ModuleSource
-from .._registry import trainer_init
-from .._transports.tcp.settings import TcpTrainerInitInfo
-from .launch import worker_process
+from .._worker.launch import worker_process
 
 __all__ = ["demo_model", "run_demo"]
 

@@ -20,9 +20,9 @@ import torch
 
 from .._core.concurrency import unwrap_group
 from .._core.logs import add_log_level_option, configure_logging
+from .._core.registry import worker_engine_class
 from .._core.validate import check_port
-from .._registry import worker_engine_class
-from .._worker.base import WeightTransferConfig
+from .._core.worker_api import WeightTransferConfig
 from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
 from .._worker.server_limits import ServerLimits
 

@@ -15,10 +15,10 @@ from typing_extensions import Self
 
 from .._core.concurrency import fan_out, single_error
 from .._core.errors import ControlPlaneError
+from .._core.protocol import WeightTransferUpdatePayload
 from .._core.settings import API_KEY_ENV
 from .._core.validate import check_timeout
 from .pause import PauseMode, RoundPause
-from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["HttpClient"]
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .._core.concurrency import fan_out
-from .._worker.base import WeightTransferEngine
+from .._core.protocol import WeightTransferUpdatePayload
+from .._core.worker_api import WeightTransferEngine
 from .._worker.round_driver import RoundDriver, finish_engine_round
-from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["LocalClient", "finish_engine_round"]
 

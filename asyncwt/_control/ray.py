@@ -14,25 +14,15 @@ import anyio
 
 from .._core.concurrency import fan_out
 from .._core.errors import ControlPlaneError
-from .._worker.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from .._core.optional import import_ray
+from .._core.protocol import WeightTransferUpdatePayload
+from .._core.worker_api import WeightTransferInitRequest, WeightTransferUpdateRequest
 from .pause import PauseMode, RoundPause
-from .protocol import WeightTransferUpdatePayload
 
 __all__ = ["RayClient", "import_ray"]
 
 _ASYNCWT_MARKER = "weights_status"
 """The method that marks an actor as asyncwt's worker actor (it takes round ids)."""
-
-
-def import_ray() -> Any:
-    """`import ray`, or an `ImportError` that says how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(
-            "RayClient needs Ray, an optional dependency of asyncwt: pip install 'asyncwt[ray]'"
-        ) from exc
-    return ray
 
 
 def describe_actor(handle: Any) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._worker.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 from .adapter import AdapterConfig, parse_adapter_config
 from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
 from .round_plan import Codec, RoundChoices
@@ -17,6 +16,7 @@ from .validate import (
     check_str,
     check_timeout,
 )
+from .worker_api import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 __all__ = [
     "API_KEY_ENV",

@@ -26,13 +26,13 @@ from typing import Any
 import anyio.from_thread
 from typing_extensions import Self
 
-from .._control.protocol import AnyWeightSyncClient
 from .._core.device import resolve_device
+from .._core.protocol import AnyWeightSyncClient
+from .._core.registry import trainer_init
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
-from .._registry import trainer_init
-from .base import TrainerInitInfo, TrainerWeightTransferEngine
+from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
 
 __all__ = ["SyncTrainerEngine"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import anyio
 
-from .._control.protocol import call_client
 from .._core.errors import ControlPlaneError
+from .._core.protocol import call_client
 
 __all__ = ["bounded_call", "round_failed"]
 

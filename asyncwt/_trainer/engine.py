@@ -18,20 +18,20 @@ import anyio.to_thread
 import torch
 from typing_extensions import Self
 
-from .._control.protocol import AnyWeightSyncClient, call_client, round_keywords
 from .._core.concurrency import single_error
 from .._core.device import resolve_device
 from .._core.errors import ControlPlaneError
+from .._core.lanes import DeviceLane, LaneEvent
 from .._core.plan import TransferPlan
+from .._core.protocol import AnyWeightSyncClient, call_client, round_keywords
 from .._core.round_plan import BackendFeatures, RoundPlan, SendersKind, check_choices
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
+from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
 from .._delta.links import delta_sender
 from .._transports.base import SenderTransport
-from .base import TrainerInitInfo, TrainerWeightTransferEngine
 from .calls import bounded_call, round_failed
-from .lanes import DeviceLane, LaneEvent
 from .owners import OwnerRanks
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
 from .senders import RankZero, SenderSide, share_round

@@ -37,12 +37,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._core.concurrency import single_error
 from .._core.errors import SourceMismatchError
+from .._core.lanes import DeviceLane, LaneEvent, staging_buffer
 from .._core.plan import Bucket, Slice, TransferPlan
 from .._core.sched import bulk_work, prompt_wakeups
 from .._core.source import WeightSource
 from .._core.stats import Progress, StageClock
 from .._transports.base import Segment, SenderTransport, Settle
-from .lanes import DeviceLane, LaneEvent, staging_buffer
 
 __all__ = [
     "PipelineConfig",

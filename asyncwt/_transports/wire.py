@@ -62,7 +62,7 @@ class FrameKind(enum.IntEnum):
     BUCKET_AT = 6
     """Trainer → worker: bucket `index` (`nbytes` long) lies in the trainer's memory;
     one little-endian u64 address per slice of the bucket follows, for the worker
-    to read from (same host, see `asyncwt._transports.shm.cma`)."""
+    to read from (same host, see `asyncwt._backends.shm.cma`)."""
     DELTA = 7
     """Trainer → worker: bucket `index` coded against the previous round's bytes;
     `nbytes` of a delta header and its body follow (`asyncwt._delta.codec`). In a
@@ -71,7 +71,7 @@ class FrameKind(enum.IntEnum):
     LISTEN = 8
     """Worker → trainer, once after the handshake (`"tcp"` chain or fleet): the worker's
     member number in `index`, its relay listener's port in `slot` (0: none) and its
-    host in `nbytes` of UTF-8 that follow (see `asyncwt._transports.tcp.relay`)."""
+    host in `nbytes` of UTF-8 that follow (see `asyncwt._backends.tcp.relay`)."""
     ROUTE = 9
     """Trainer → worker, each round of a `"tcp"` chain: the worker's place in the chain
     in `index`; its successor's relay port in `slot` (0: it is the tail); `nbytes`

@@ -51,7 +51,7 @@ def register_backend(backend: str) -> str:
         WeightTransferTrainerFactory,
     )
 
-    from .. import _registry
+    from .._core import registry as _registry
     from .._worker.engine import DeferredWorkerEngine
     from .trainer import vllm_trainer_engine_class
     from .worker import vllm_backend_name, vllm_worker_engine_class
@@ -59,7 +59,7 @@ def register_backend(backend: str) -> str:
     name = vllm_backend_name(backend)
     if name in _REGISTERED:
         return name
-    worker_cls = _registry._WORKER_ENGINES.get(backend)
+    worker_cls = _registry.registered_class(_registry._WORKER_ENGINES, backend)
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, DeferredWorkerEngine)):
         raise TypeError(
             f"asyncwt backend {backend!r} should have a DeferredWorkerEngine worker engine "
@@ -81,14 +81,18 @@ def register() -> None:
     run inside vLLM. Safe to call more than once."""
     import asyncwt
 
-    from .. import _registry
+    from .._core import registry as _registry
     from .._worker.engine import DeferredWorkerEngine
     from .adapters import resolve_adapters_by_name, serve_adapters_from_memory
 
     names = []
     for backend in asyncwt.registered_backends()["worker"]:
-        cls = _registry._WORKER_ENGINES[backend]
-        if issubclass(cls, DeferredWorkerEngine) and backend in _registry._TRAINER_ENGINES:
+        cls = _registry.registered_class(_registry._WORKER_ENGINES, backend)
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, DeferredWorkerEngine)
+            and backend in _registry._TRAINER_ENGINES
+        ):
             names.append(register_backend(backend))
     reset_caches_after_rounds()
     serve_adapters_from_memory()

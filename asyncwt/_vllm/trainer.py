@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from .._control.protocol import AnyWeightSyncClient
 from .._core.meta import ParamMeta
+from .._core.protocol import AnyWeightSyncClient
 from .._core.source import WeightSource
 from .._core.stats import RoundStats
-from .._trainer.base import TrainerInitInfo
+from .._core.trainer_api import TrainerInitInfo
 from .._trainer.blocking import SyncTrainerEngine
 from .worker import vllm_backend_name
 

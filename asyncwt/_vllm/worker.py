@@ -45,10 +45,10 @@ import torch
 
 from .._core.adapter import AdapterConfig
 from .._core.errors import AsyncwtError, PlanMismatchError, TransferError
+from .._core.lanes import wait_for_stream
 from .._core.plan import TransferPlan
 from .._core.settings import RoundUpdateInfo
-from .._trainer.lanes import wait_for_stream
-from .._worker.base import WeightTransferConfig
+from .._core.worker_api import WeightTransferConfig
 from .._worker.engine import DeferredWorkerEngine
 from .adapters import publish
 

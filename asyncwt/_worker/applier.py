@@ -39,10 +39,10 @@ import torch
 
 from .._core.bytes import byte_view
 from .._core.errors import ApplyError, PlanMismatchError
+from .._core.lanes import DeviceLane, wait_for_stream
 from .._core.meta import ParamMeta
 from .._core.owners import row_groups
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._trainer.lanes import DeviceLane, wait_for_stream
 
 __all__ = [
     "MIN_PART_BYTES",

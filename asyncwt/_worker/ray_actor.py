@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .._registry import create_worker_engine
-from .base import WeightTransferConfig, WeightTransferEngine
+from .._core.registry import create_worker_engine
+from .._core.worker_api import WeightTransferConfig, WeightTransferEngine
 from .round_driver import RoundDriver, weights_status
 
 __all__ = ["WorkerActor", "worker_actor"]
@@ -123,7 +123,7 @@ def worker_actor(**options: Any) -> Any:
 
     Spawn it as `worker_actor(num_cpus=1).remote(make_model)`.
     """
-    from .._control.ray import import_ray
+    from .._core.optional import import_ray
 
     actor_class = import_ray().remote(WorkerActor)
     return actor_class.options(**options) if options else actor_class

@@ -22,7 +22,7 @@ import torch
 
 from .._core.checksum import model_checksum
 from .._core.errors import PlanMismatchError, RoundConflictError, StaleRoundError, TransferError
-from .base import WeightTransferEngine
+from .._core.worker_api import WeightTransferEngine
 from .metrics import WorkerMetrics
 from .rounds import RoundState
 

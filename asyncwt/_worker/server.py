@@ -60,9 +60,9 @@ import torch
 from aiohttp import web
 
 from .._core.errors import AsyncwtError, PlanMismatchError, RoundConflictError, StaleRoundError
+from .._core.registry import create_worker_engine
 from .._core.settings import API_KEY_ENV, MAX_ROUND_ID, MAX_TRAINER_ID_CHARS
-from .._registry import create_worker_engine
-from .base import WeightTransferConfig, WeightTransferEngine
+from .._core.worker_api import WeightTransferConfig, WeightTransferEngine
 from .metrics import CONTENT_TYPE, WorkerMetrics
 from .round_driver import InvalidInfoError, RoundDriver, weights_status
 from .server_limits import (

@@ -214,7 +214,7 @@ def nccl_world1(figures: Figures) -> None:
     import torch
     import torch.distributed as dist
 
-    from asyncwt._transports.torch_dist import WATCHDOG_MARGIN_S, _new_group, _release_group
+    from asyncwt._backends.torch_dist import WATCHDOG_MARGIN_S, _new_group, _release_group
 
     device = torch.device("cuda", 0)
     timeout_s = 37.0  # distinctive: the group must carry this one, not a default
@@ -302,7 +302,7 @@ def lag_probe(figures: Figures) -> None:
 def event_wait_idle(figures: Figures) -> None:
     import torch
 
-    from asyncwt._trainer.lanes import DeviceLane
+    from asyncwt._core.lanes import DeviceLane
 
     cycles = sleep_cycles(1.0)
     lane = DeviceLane(torch.device("cuda", 0))
@@ -395,7 +395,7 @@ def ipc_reinit(figures: Figures) -> None:
     from _gpu_check_models import BUCKET_BYTES, Staging, randomize
 
     from asyncwt import HttpClient, ModuleSource, trainer_init
-    from asyncwt._transports.cuda_ipc import CudaIpcTrainerInitInfo
+    from asyncwt._backends.cuda_ipc import CudaIpcTrainerInitInfo
 
     model = Staging(device="cuda")
     junk: list[torch.Tensor] = []

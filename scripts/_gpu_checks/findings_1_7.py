@@ -52,7 +52,7 @@ import datetime, json, os, sys, time
 import torch
 import torch.distributed as dist
 from asyncwt._core.errors import TransferTimeoutError
-from asyncwt._transports import torch_dist
+from asyncwt._backends import torch_dist
 
 device = torch.device("cuda", 0)
 torch.cuda.set_device(device)
@@ -84,7 +84,7 @@ os._exit(0)  # the formation's thread may be stuck in NCCL's init: leave it behi
 def nccl_group_probe(figures: Figures) -> None:
     import torch
 
-    from asyncwt._transports import torch_dist
+    from asyncwt._backends import torch_dist
 
     device = cuda0()
     failures: list[str] = []
@@ -150,7 +150,7 @@ def nccl_group_probe(figures: Figures) -> None:
 def broadcast_skips_training_queue(figures: Figures) -> None:
     import torch
 
-    from asyncwt._transports import torch_dist
+    from asyncwt._backends import torch_dist
 
     device = cuda0()
     cycles = sleep_cycles(1.5)

@@ -158,7 +158,7 @@ def slow_source(model: Any, cycles: int) -> Any:
 
 RING_EXPORT = """
 import json, sys, torch
-from asyncwt._transports import cuda_ipc
+from asyncwt._backends import cuda_ipc
 device = torch.device("cuda", 0)
 trainer = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # the trainer's tensors
 ring = cuda_ipc.take_ring(device, 48 << 20, 2)
@@ -191,7 +191,7 @@ sys.stdin.read()  # keep the ring alive until the worker has read it
 
 RING_IMPORT = """
 import json, sys, torch
-from asyncwt._transports import cuda_ipc
+from asyncwt._backends import cuda_ipc
 info = json.loads(sys.stdin.read())
 receiver = cuda_ipc.CudaIpcReceiver.__new__(cuda_ipc.CudaIpcReceiver)
 receiver.handles, receiver.gpu = info["ipc_buffers"], info["ipc_gpu"]
@@ -274,7 +274,7 @@ def primary_context_active(ordinal: int) -> bool:
 MAP_ON_OWN = """
 import json, sys, torch
 from _gpu_checks.findings_8_14 import primary_context_active
-from asyncwt._transports import cuda_ipc
+from asyncwt._backends import cuda_ipc
 info = json.loads(sys.stdin.read())
 torch.cuda.set_device(1)
 receiver = cuda_ipc.CudaIpcReceiver.__new__(cuda_ipc.CudaIpcReceiver)
@@ -298,7 +298,7 @@ print(json.dumps({"mapped_on": [b.device.index for b in buffers], "value": int(l
 def ipc_map_on_own_gpu(figures: Figures) -> None:
     import torch
 
-    from asyncwt._transports import cuda_ipc
+    from asyncwt._backends import cuda_ipc
 
     gpus = torch.cuda.device_count()
     if gpus < 2:
@@ -340,9 +340,9 @@ def delta_scatters_on_gpu(figures: Figures) -> None:
     from asyncwt import ModuleSource
     from asyncwt._core.plan import TransferPlan
     from asyncwt._delta.codec import encode, unit_of
-    from asyncwt._delta.receiver import WorkerDelta
     from asyncwt._transports.base import ReceivedBucket
     from asyncwt._worker.applier import ModelTarget
+    from asyncwt._worker.delta import WorkerDelta
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4))).to(
@@ -416,7 +416,7 @@ def staging_at_init_off_the_loop(figures: Figures) -> None:
     import torch
 
     from asyncwt import ModuleSource, TcpTrainerInitInfo
-    from asyncwt._trainer.lanes import staging_buffer
+    from asyncwt._core.lanes import staging_buffer
 
     model = torch.nn.Linear(4096, 4096, device="cuda:0")
     engine_cls = engine_with(NullTransport())
@@ -464,9 +464,9 @@ def pinned_gloo_and_shm_ring(figures: Figures) -> None:
     import torch
 
     from asyncwt import ModuleSource, ShmTrainerInitInfo, TorchDistTrainerInitInfo
+    from asyncwt._backends.shm.backend import ShmSender
+    from asyncwt._backends.torch_dist import TorchDistSender
     from asyncwt._core.plan import TransferPlan
-    from asyncwt._transports.shm.backend import ShmSender
-    from asyncwt._transports.torch_dist import TorchDistSender
 
     nbytes = 256 << 20
     device = torch.device("cuda", 0)
@@ -564,11 +564,11 @@ def no_spin_waits(figures: Figures) -> None:
     import torch
 
     from asyncwt import CudaIpcTrainerInitInfo, ModuleSource, TcpTrainerInitInfo
+    from asyncwt._backends.cuda_ipc import CudaIpcSender
     from asyncwt._core.cuda_sync import to_host
+    from asyncwt._core.lanes import DeviceLane
     from asyncwt._core.plan import TransferPlan
-    from asyncwt._trainer.lanes import DeviceLane
     from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
-    from asyncwt._transports.cuda_ipc import CudaIpcSender
 
     device = torch.device("cuda", 0)
     second = sleep_cycles(1.0)

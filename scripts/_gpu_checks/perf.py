@@ -65,9 +65,9 @@ def limits(figures: Figures) -> None:
     import torch
     from _gpu_check_models import Flat
 
+    from asyncwt._backends.shm.cma import default_streams
     from asyncwt._bench._limits import measure_memcpy, measure_raw_loopback
     from asyncwt._bench._util import Rounds
-    from asyncwt._transports.shm.cma import default_streams
 
     device = torch.device("cuda", 0)
     src = torch.ones(LIMIT_BYTES, dtype=torch.uint8, device=device)
@@ -265,7 +265,7 @@ def perf_gloo(figures: Figures) -> None:
     group="perf",
 )
 def perf_cuda_ipc(figures: Figures) -> None:
-    from asyncwt._transports.cuda_ipc import CudaIpcTrainerInitInfo
+    from asyncwt._backends.cuda_ipc import CudaIpcTrainerInitInfo
 
     def info(bucket: int) -> Any:
         return CudaIpcTrainerInitInfo(rank=0, device="cuda", bucket_bytes=bucket)

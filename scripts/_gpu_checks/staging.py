@@ -89,7 +89,7 @@ def staging_gloo(figures: Figures) -> None:
 
 @check("staging-cuda-ipc", DESCRIPTION + "over cuda_ipc (device staging ring)", timeout_s=40)
 def staging_cuda_ipc(figures: Figures) -> None:
-    from asyncwt._transports.cuda_ipc import CudaIpcTrainerInitInfo
+    from asyncwt._backends.cuda_ipc import CudaIpcTrainerInitInfo
 
     with workers(("staging_cuda", "cuda_ipc")) as (url,):
         staging_rounds(figures, url, CudaIpcTrainerInitInfo(**common()), "cuda_ipc")

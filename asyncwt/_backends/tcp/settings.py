@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from ..._core.round_plan import RoundChoices
 from ..._core.settings import RoundUpdateInfo
-from ..._trainer.base import TrainerInitInfo
-from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..._core.trainer_api import TrainerInitInfo
+from ..._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 
 __all__ = ["TcpTrainerInitInfo", "TcpUpdateInfo", "TcpWorkerInitInfo"]
 
@@ -37,7 +37,7 @@ class TcpTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     per worker). `"chain"`: the trainer sends each byte once, to the first worker;
     each worker forwards what it receives to the next as it arrives, while it applies
     it (the trainer's link carries the model once whatever the number of workers).
-    See `asyncwt._transports.tcp.relay`."""
+    See `asyncwt._backends.tcp.relay`."""
     on_worker_failure: str = "fail"
     """What a worker that dies mid-round does to the round. `"fail"`: the round fails
     everywhere and no worker publishes. `"drop"`: the worker is cut out, the round

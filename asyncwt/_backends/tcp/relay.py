@@ -43,14 +43,14 @@ from ..._core.errors import (
 )
 from ..._core.plan import TransferPlan
 from ..._core.validate import MAX_HOST_CHARS, check_host
-from ..._worker.engine import ReceivePool
-from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
-from ..link import WorkerLink, connect_link, read_abort_reason
-from ..sockio import recv_exact, send_all
-from ..wire import EDGE_KEY_BYTES, FRAME_SIZE, Frame, FrameKind, edge_secret
+from ..._transports.base import LandingTarget, ReceivedBucket, ReceiverTransport
+from ..._transports.link import WorkerLink, connect_link, read_abort_reason
+from ..._transports.pool import ReceivePool
+from ..._transports.sockio import recv_exact, send_all
+from ..._transports.wire import EDGE_KEY_BYTES, FRAME_SIZE, Frame, FrameKind, edge_secret
 from .admission import MAX_PENDING, Admission
+from .receive import receive_buckets
 from .settings import TcpWorkerInitInfo
-from .worker import receive_buckets
 
 __all__ = ["ChainReceiver", "Route", "Tee", "announce"]
 

@@ -1,5 +1,5 @@
 """The `"tcp"` backend, trainer side: every bucket streams over each worker's connection
-(star), or once down a chain of workers (see `asyncwt._transports.tcp.chain`)."""
+(star), or once down a chain of workers (see `asyncwt._backends.tcp.chain`)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from ..._control.protocol import AnyWeightSyncClient
 from ..._core.errors import ControlPlaneError, TransferError
+from ..._core.lanes import LaneEvent
 from ..._core.plan import TransferPlan
+from ..._core.protocol import AnyWeightSyncClient
 from ..._core.round_plan import BackendFeatures
 from ..._core.source import WeightSource
 from ..._core.stats import Progress, RoundStats
 from ..._trainer.calls import bounded_call
 from ..._trainer.engine import PipelinedTrainerEngine
-from ..._trainer.lanes import LaneEvent
-from ..base import SenderTransport
-from ..link import Peer
+from ..._transports.base import SenderTransport
+from ..._transports.link import Peer
 from .chain import SENDERS, FleetSender
 from .members import Members
 from .sender import TcpSender

@@ -8,7 +8,7 @@ READY on their links to the trainer (control links from then on), a ROUTE to eac
 naming its successor and carrying the round's keys of its two edges (a relay
 admits only the predecessor the trainer named), and the trainer's own connection
 to the head's listener; the round's frames (BUCKETs, END or ABORT) go down that connection only, and each
-worker forwards them (see `asyncwt._transports.tcp.relay`).
+worker forwards them (see `asyncwt._backends.tcp.relay`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import anyio
 from ..._core.errors import ProtocolError, TransferError, TransferTimeoutError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.validate import MAX_HOST_CHARS
-from ..base import InitWorkers, Segment
-from ..link import Peer, TrainerLinks
-from ..sockio import async_recv_exact
-from ..wire import (
+from ..._transports.base import InitWorkers, Segment
+from ..._transports.link import Peer, TrainerLinks
+from ..._transports.sockio import async_recv_exact
+from ..._transports.wire import (
     ABORT_REASON_MAX,
     CHALLENGE_SIZE,
     EDGE_KEY_BYTES,

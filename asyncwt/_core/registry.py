@@ -2,41 +2,70 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._control.protocol import AnyWeightSyncClient
-from ._core.device import resolve_device
-from ._core.source import WeightSource
-from ._core.validate import check_str
-from ._trainer.base import TrainerInitInfo, TrainerWeightTransferEngine
-from ._worker.base import WeightTransferConfig, WeightTransferEngine
+from .device import resolve_device
+from .protocol import AnyWeightSyncClient
+from .source import WeightSource
+from .trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
+from .validate import check_str
+from .worker_api import WeightTransferConfig, WeightTransferEngine
 
 __all__ = [
     "create_worker_engine",
+    "register_lazy",
     "register_trainer_engine",
     "register_worker_engine",
     "registered_backends",
+    "registered_class",
     "trainer_init",
 ]
 
 _REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
 """Backends that need something of the machine: a check that returns why it is
 missing (or None), run when the backend is asked for, never at import."""
-_TRAINER_ENGINES: dict[str, type[TrainerWeightTransferEngine[Any]]] = {}
-_WORKER_ENGINES: dict[str, type[WeightTransferEngine[Any, Any]]] = {}
+_TRAINER_ENGINES: dict[str, type[TrainerWeightTransferEngine[Any]] | str] = {}
+_WORKER_ENGINES: dict[str, type[WeightTransferEngine[Any, Any]] | str] = {}
+"""Backend name -> its engine class, or where it lives (`"module:Class"`) until first use."""
 
 
-def _register(registry: dict[str, Any], kind: str, backend: str, cls: type) -> None:
+def _class_name(entry: type | str) -> str:
+    return entry.rsplit(":", 1)[-1] if isinstance(entry, str) else entry.__name__
+
+
+def _register(registry: dict[str, Any], kind: str, backend: str, cls: type | str) -> None:
     check_str("backend", backend, min_chars=1)
     if backend in registry:
         raise ValueError(
             f"{kind} engine backend {backend!r} is already registered "
-            f"(to {registry[backend].__name__}); got {cls.__name__} for it too"
+            f"(to {_class_name(registry[backend])}); got {_class_name(cls)} for it too"
         )
     registry[backend] = cls
+
+
+def register_lazy(backend: str, *, trainer: str, worker: str) -> None:
+    """Register `backend` by where its engine classes live (`"module:Class"` each): the
+    module is imported when the backend is first asked for, not at registration."""
+    for where in (trainer, worker):
+        module, _, name = where.partition(":")
+        if not (module and name):
+            raise ValueError(f"a lazy engine should be given as 'module:Class', got {where!r}")
+    _register(_TRAINER_ENGINES, "trainer", backend, trainer)
+    _register(_WORKER_ENGINES, "worker", backend, worker)
+
+
+def registered_class(registry: dict[str, Any], backend: str) -> Any | None:
+    """The class `registry` holds for `backend` (its module imported now if it was
+    registered lazily), or None if none is registered."""
+    entry = registry.get(backend)
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = registry[backend] = getattr(importlib.import_module(module), name)
+    return entry
 
 
 def _lookup(registry: dict[str, Any], kind: str, backend: str) -> Any:
@@ -49,7 +78,7 @@ def _lookup(registry: dict[str, Any], kind: str, backend: str) -> Any:
         raise ValueError(
             f"{kind} backend {backend!r} is not available: {missing}; registered backends: {known}"
         )
-    return registry[backend]
+    return registered_class(registry, backend)
 
 
 def require(backend: str, check: Callable[[], str | None]) -> None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..._core.errors import AsyncwtError, TransferAbortedError
-from ..wire import (
+from ..._transports.wire import (
     HELLO_SIZE,
     PROOF_SIZE,
     HandshakeStatus,

@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from ..._control.protocol import AnyWeightSyncClient, call_client, round_keywords
 from ..._core.concurrency import fan_out
+from ..._core.protocol import AnyWeightSyncClient, call_client, round_keywords
 
 __all__ = ["Member", "Members"]
 

@@ -43,13 +43,12 @@ import torch
 import torch.distributed as dist
 
 from .._core.errors import TransferAbortedError, TransferError, TransferTimeoutError
+from .._core.lanes import staging_buffer, wait_for_stream
 from .._core.plan import Bucket, Slice, TransferPlan
+from .._core.trainer_api import TrainerInitInfo
 from .._core.validate import check_int_in, check_port, check_positive, check_str
-from .._trainer.base import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
-from .._trainer.lanes import staging_buffer, wait_for_stream
-from .._worker.engine import DeferredWorkerEngine, ReceivePool
-from .base import (
+from .._transports.base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
@@ -58,11 +57,13 @@ from .base import (
     SenderTransport,
     Settle,
 )
-from .link import LinkedSender, WorkerLink, connect_link
-from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
-from .sockio import readable
+from .._transports.link import LinkedSender, WorkerLink, connect_link
+from .._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from .._transports.pool import ReceivePool
+from .._transports.sockio import readable
+from .._transports.wire import Frame, FrameKind
+from .._worker.engine import DeferredWorkerEngine
 from .torch_dist_store import StoreClient, StoreServer, store_digest
-from .wire import Frame, FrameKind
 
 __all__ = [
     "TorchDistReceiver",

@@ -6,39 +6,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._core.plan import TransferPlan
-from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import LandingTarget, ReceivedBucket, ReceiverTransport
-from ..link import LinkedReceiver, WorkerLink, connect_link
-from ..sockio import recv_segments
+from ..._transports.base import LandingTarget, ReceivedBucket, ReceiverTransport
+from ..._transports.link import LinkedReceiver, WorkerLink, connect_link
+from ..._transports.pool import ReceivePool
+from ..._worker.engine import DeferredWorkerEngine
+from .receive import receive_buckets
+from .relay import ChainReceiver, announce
 from .settings import TcpWorkerInitInfo
 
-__all__ = ["TcpReceiver", "TcpWorkerEngine", "receive_buckets"]
-
-
-def receive_buckets(
-    link: WorkerLink,
-    plan: TransferPlan,
-    pool: ReceivePool,
-    round_id: int,
-    target: LandingTarget,
-) -> Iterator[ReceivedBucket]:
-    """Yield each bucket of `round_id` read from `link` with `recvmsg_into`, its
-    slices scattered into place (the star's connection or a chain's relay stream);
-    a codec's frames are read by the link's codec."""
-    with link.guard(round_id):
-        for frame in link.frames(round_id):
-            coded = link.coded(frame, pool, target)
-            if coded is not None:
-                yield coded
-                continue
-            bucket = plan.buckets[frame.index]
-            buffer, release, segments = pool.landing(bucket, target)
-            try:
-                recv_segments(link.sock, segments)
-            except BaseException:
-                release()
-                raise
-            yield ReceivedBucket(bucket, buffer, release)
+__all__ = ["TcpReceiver", "TcpWorkerEngine"]
 
 
 class TcpReceiver(LinkedReceiver):
@@ -60,8 +36,6 @@ class TcpReceiver(LinkedReceiver):
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, codec=self.codec)
         if info.member >= 0:  # a tracked member: pair this connection with it
-            from .relay import announce
-
             announce(self.link, info.member, "", 0)
 
     @property
@@ -90,7 +64,5 @@ class TcpWorkerEngine(DeferredWorkerEngine):
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
         pool = self.receive_pool(info, plan)
         if info.topology == "chain":
-            from .relay import ChainReceiver
-
             return ChainReceiver(info, plan, pool, self.config.relay_host)
         return TcpReceiver(info, plan, pool)

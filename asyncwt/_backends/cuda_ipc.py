@@ -1,6 +1,6 @@
 """The `"cuda_ipc"` backend: the bucket ring in GPU memory, one node.
 
-The ring is `asyncwt._transports.shm.ring`'s. The trainer allocates `num_buffers`
+The ring is `asyncwt._backends.shm.ring`'s. The trainer allocates `num_buffers`
 bucket buffers on its GPU and exports their CUDA IPC handles at init; each worker
 maps them once (no per-bucket re-import).
 Buckets are packed on the pack lane's stream; the send stage waits for that
@@ -45,11 +45,12 @@ import torch
 
 from .._core.errors import TransferError
 from .._core.plan import TransferPlan
-from .._trainer.base import TrainerInitInfo
+from .._core.trainer_api import TrainerInitInfo
 from .._trainer.engine import PipelinedTrainerEngine
-from .._worker.engine import DeferredWorkerEngine, ReceivePool
-from .base import ReceiverTransport, SenderTransport
-from .link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from .._transports.base import ReceiverTransport, SenderTransport
+from .._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from .._transports.pool import ReceivePool
+from .._worker.engine import DeferredWorkerEngine
 from .shm.ring import RingReceiver, RingSender
 from .torch_dist import check_gpu_uuid, gpu_uuid
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..._core.bytes import byte_view
 from ..._core.plan import Bucket, TransferPlan
-from ..base import Segment
-from ..link import LinkedSender, Peer
-from ..wire import FrameKind
+from ..._transports.base import Segment
+from ..._transports.link import LinkedSender, Peer
+from ..._transports.wire import FrameKind
 from .settings import TcpTrainerInitInfo
 
 __all__ = ["TcpSender"]

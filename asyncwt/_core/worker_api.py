@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from .._control.protocol import WeightTransferUpdatePayload
-from .._core.validate import check_bool, check_host, check_int_in, check_str
+from .protocol import WeightTransferUpdatePayload
+from .validate import check_bool, check_host, check_int_in, check_str
 
 __all__ = [
     "WeightTransferConfig",

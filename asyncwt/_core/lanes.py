@@ -23,7 +23,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from .._core.cuda_sync import blocking_event, wait_for_stream
+from .cuda_sync import blocking_event, wait_for_stream
 
 __all__ = ["DeviceLane", "LaneEvent", "blocking_event", "staging_buffer", "wait_for_stream"]
 

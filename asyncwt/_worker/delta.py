@@ -40,12 +40,7 @@ from .._core.bytes import byte_view
 from .._core.cuda_sync import to_host
 from .._core.meta import ParamMeta
 from .._core.plan import Bucket, Slice, TransferPlan
-from .._transports.base import LandingTarget, ReceiveBuffers, ReceivedBucket, ReceiverTransport
-from .._transports.link import LinkedReceiver
-from .._transports.sockio import recv_exact, recv_segments
-from .._transports.wire import Frame, FrameKind
-from .._worker.applier import ModelTarget
-from .codec import (
+from .._delta.codec import (
     DELTA_HEADER_SIZE,
     DeltaHeader,
     Encoding,
@@ -54,6 +49,11 @@ from .codec import (
     sparse_chunks,
     unit_of,
 )
+from .._transports.base import LandingTarget, ReceiveBuffers, ReceivedBucket, ReceiverTransport
+from .._transports.link import LinkedReceiver
+from .._transports.sockio import recv_exact, recv_segments
+from .._transports.wire import Frame, FrameKind
+from .applier import ModelTarget
 
 __all__ = ["DeltaDigestError", "DeltaFrames", "WorkerDelta", "delta_receiver", "receive_delta"]
 

@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from typing_extensions import Self
 
-from .._control.protocol import AnyWeightSyncClient, check_client
-from .._core.source import WeightSource
-from .._core.validate import check_non_negative
+from .protocol import AnyWeightSyncClient, check_client
+from .source import WeightSource
+from .validate import check_non_negative
 
 __all__ = ["TrainerInitInfo", "TrainerWeightTransferEngine"]
 

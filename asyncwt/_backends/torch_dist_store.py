@@ -38,8 +38,8 @@ import anyio
 from torch._C._distributed_c10d import Store
 
 from .._core.errors import AsyncwtError, AuthenticationError, ProtocolError, TransferError
-from .sockio import recv_exact, send_all
-from .wire import (
+from .._transports.sockio import recv_exact, send_all
+from .._transports.wire import (
     CHALLENGE_SIZE,
     HELLO_SIZE,
     PROOF_SIZE,

@@ -24,17 +24,17 @@ import torch
 
 from ..._core.errors import ProtocolError
 from ..._core.plan import Bucket, TransferPlan
-from ..._worker.engine import ReceivePool
-from ..base import (
+from ..._transports.base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
     Segment,
     Settle,
 )
-from ..link import LinkedReceiver, LinkedSender, Peer, WorkerLink, connect_link
-from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
-from ..wire import Frame, FrameKind
+from ..._transports.link import LinkedReceiver, LinkedSender, Peer, WorkerLink, connect_link
+from ..._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..._transports.pool import ReceivePool
+from ..._transports.wire import Frame, FrameKind
 
 __all__ = ["RingReceiver", "RingSender"]
 
@@ -130,7 +130,7 @@ class RingReceiver(LinkedReceiver):
 
     lands_in_place = False
     reads_directly = False
-    """Whether buckets come as addresses in the trainer's memory (see `asyncwt._transports.shm.backend`)."""
+    """Whether buckets come as addresses in the trainer's memory (see `asyncwt._backends.shm.backend`)."""
 
     def __init__(
         self, info: LinkedWorkerInfo, plan: TransferPlan, pool: Callable[[], ReceivePool]

@@ -1,19 +1,19 @@
 """The `"shm"` backend, one host: workers read each bucket from the trainer's memory.
 
-Where the kernel lets a worker read the trainer's memory (`asyncwt._transports.shm.cma`: same
+Where the kernel lets a worker read the trainer's memory (`asyncwt._backends.shm.cma`: same
 user, no ptrace restriction in the way), the trainer packs nothing: each bucket
 goes out as the addresses of its slices, in the trainer's own tensors, and the
 worker copies them with `process_vm_readv` straight to where they land (the model
 itself, where it takes the bytes as they are), then acknowledges the bucket. One
 copy per byte, where a ring costs two on the same cores. The worker splits each
 bucket's reads across its cores (`read_streams` concurrent calls over disjoint
-ranges, `asyncwt._transports.shm.cma.SplitReader`), and the trainer lends the next
+ranges, `asyncwt._backends.shm.cma.SplitReader`), and the trainer lends the next
 bucket before the last one is acknowledged (up to `num_buffers` in flight), so the
 worker never waits on a round trip between two buckets.
 
 Every other worker, or every worker when the trainer sets `direct_reads=False`,
-uses the bucket ring (see `asyncwt._transports.shm.ring`) in shared memory. On
-Linux the ring has no name at all (`asyncwt._transports.shm.memfd`): anonymous
+uses the bucket ring (see `asyncwt._backends.shm.ring`) in shared memory. On
+Linux the ring has no name at all (`asyncwt._backends.shm.memfd`): anonymous
 memory whose descriptors the trainer hands to workers of its user over an abstract
 Unix socket during init, and which the kernel frees with its last holder, so
 nothing can be left in `/dev/shm` however both sides die (a SIGKILL of the
@@ -52,11 +52,10 @@ from ..._core.cuda_sync import HostRegistration
 from ..._core.errors import TransferError
 from ..._core.plan import Bucket, TransferPlan
 from ..._core.round_plan import BackendFeatures
+from ..._core.trainer_api import TrainerInitInfo
 from ..._core.validate import check_bool, check_int_in, check_u64
-from ..._trainer.base import TrainerInitInfo
 from ..._trainer.engine import PipelinedTrainerEngine
-from ..._worker.engine import DeferredWorkerEngine, ReceivePool
-from ..base import (
+from ..._transports.base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
@@ -65,10 +64,12 @@ from ..base import (
     SenderTransport,
     Settle,
 )
-from ..link import Peer, WorkerLink
-from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
-from ..sockio import recv_exact
-from ..wire import Frame, FrameKind
+from ..._transports.link import Peer, WorkerLink
+from ..._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..._transports.pool import ReceivePool
+from ..._transports.sockio import recv_exact
+from ..._transports.wire import Frame, FrameKind
+from ..._worker.engine import DeferredWorkerEngine
 from . import cma as _cma
 from . import memfd as _memfd
 from .ring import RingReceiver, RingSender
@@ -102,9 +103,9 @@ class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
 
     read_streams: int = 0
     """Concurrent reads each direct-reading worker splits a bucket into (disjoint
-    byte ranges, one thread each), at most `asyncwt._transports.shm.cma.MAX_STREAMS`;
+    byte ranges, one thread each), at most `asyncwt._backends.shm.cma.MAX_STREAMS`;
     0 lets every worker take one per core it may run on, up to
-    `asyncwt._transports.shm.cma.DEFAULT_STREAMS`."""
+    `asyncwt._backends.shm.cma.DEFAULT_STREAMS`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,7 +131,7 @@ class ShmWorkerInitInfo(LinkedWorkerInfo):
     """The probe's bytes, in hex."""
     read_streams: int = 0
     """Concurrent reads per bucket (0: one per core this worker may run on, up to
-    `asyncwt._transports.shm.cma.DEFAULT_STREAMS`)."""
+    `asyncwt._backends.shm.cma.DEFAULT_STREAMS`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
