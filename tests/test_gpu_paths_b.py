@@ -36,12 +36,12 @@ from asyncwt._core import checksum, cuda_sync
 from asyncwt._core.errors import TransferError
 from asyncwt._core.lanes import DeviceLane
 from asyncwt._core.plan import Slice, TransferPlan
-from asyncwt._delta import receiver as delta_receiver
 from asyncwt._delta.codec import encode, unit_of
 from asyncwt._trainer import pipeline
 from asyncwt._trainer.engine import PipelinedTrainerEngine
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
 from asyncwt._transports.base import ReceivedBucket, SenderTransport
+from asyncwt._worker import delta as delta_receiver
 from asyncwt._worker.applier import ModelTarget
 
 BUCKET_BYTES = 4096
