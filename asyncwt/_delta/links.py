@@ -30,7 +30,7 @@ from .codec import Encoding
 from .sender import DeltaSender
 
 if TYPE_CHECKING:
-    from .._transports.link_settings import LinkedTrainerInfo
+    from .._transports.link_settings import SendersAndDelta
 
 __all__ = ["DeltaLinks", "Plain"]
 
@@ -59,12 +59,13 @@ class DeltaLinks:
 
     @classmethod
     def of(
-        cls, links: TrainerLinks, plan: TransferPlan, info: LinkedTrainerInfo
+        cls, links: TrainerLinks, plan: TransferPlan, info: SendersAndDelta
     ) -> DeltaLinks | None:
         """Delta rounds over `links` as `info` asks for them (None without `delta`)."""
-        if not info.delta:
+        delta = info.delta_settings
+        if delta is None:
             return None
-        return cls(links, plan, full_every=info.delta_full_every, policy=info.delta_policy)
+        return cls(links, plan, full_every=delta.full_every, policy=delta.policy)
 
     def begin_round(self, round_id: int) -> None:
         """Choose, from every worker's READY, who gets deltas this round."""

@@ -50,9 +50,9 @@ async def bounded_call(
         await call_client(client, method, *args, **kwargs)
     if scope.cancelled_caught:
         raise ControlPlaneError(
-            f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
+            f"{where}: {method} did not return within timeouts.rpc={timeout}s; the call was "
             f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
-            f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
+            f"timeouts.rpc if they are only slow (it must exceed timeouts.drain)"
         )
 
 
@@ -110,8 +110,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
         self._pipeline = PipelineConfig(
             num_buffers=settings.num_buffers,
-            zero_copy=settings.zero_copy,
-            read_ahead=settings.read_ahead,
+            zero_copy=settings.tuning.zero_copy,
+            read_ahead=settings.tuning.read_ahead,
         )
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
@@ -169,7 +169,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             )
         settings: PipelineSettings = init_info  # type: ignore[assignment]
         plan = TransferPlan.build(
-            source.metadata, bucket_bytes=settings.bucket_bytes, alignment=settings.alignment
+            source.metadata, bucket_bytes=settings.bucket_bytes, alignment=settings.tuning.alignment
         )
         if init_info.is_sender:
             owned = set(source.owned_names(0))
@@ -190,7 +190,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     client,
                     "init_weight_transfer_engine",
                     init_info,
-                    timeout=settings.rpc_timeout,
+                    timeout=settings.timeouts.rpc,
                     where="trainer_init",
                 )
 
@@ -302,7 +302,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                         self.transport, round_id, weight_version, fence, progress
                     )
                 except BaseException:
-                    await round_failed(self.client, self.info.rpc_timeout)
+                    await round_failed(self.client, self.info.timeouts.rpc)
                     raise
             else:  # senders="owners": this rank's share, over its own links
                 from .owners import share_round
@@ -328,7 +328,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         READY) run concurrently with the pipeline's iterate stage, which may gather
         a few buckets ahead; nothing is packed or sent until the round is open.
         """
-        rpc_timeout = self.info.rpc_timeout
+        rpc_timeout = self.info.timeouts.rpc
         where = f"round {round_id}"
         update_info = {
             "round_id": round_id,
@@ -394,7 +394,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     failed = True
                     raise ControlPlaneError(
                         f"round {round_id}: every bucket was sent but update_weights did not "
-                        f"return within rpc_timeout={rpc_timeout}s (a worker stalled, or its "
+                        f"return within timeouts.rpc={rpc_timeout}s (a worker stalled, or its "
                         f"control plane is unreachable); nothing was published. Check the "
                         f"workers, then send again (or trainer_init again if the data plane "
                         f"broke)"

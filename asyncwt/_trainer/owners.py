@@ -185,7 +185,7 @@ async def owners_trainer_init(
     rank = init_info.rank
     world = _world(rank)
     full = TransferPlan.build(
-        source.metadata, bucket_bytes=init_info.bucket_bytes, alignment=init_info.alignment
+        source.metadata, bucket_bytes=init_info.bucket_bytes, alignment=init_info.tuning.alignment
     )
     layout = OwnersLayout.build(full, world)
     share = layout.share_plans[rank]
@@ -222,7 +222,7 @@ async def owners_trainer_init(
                     client,
                     "init_weight_transfer_engine",
                     top,
-                    timeout=init_info.rpc_timeout,
+                    timeout=init_info.timeouts.rpc,
                     where="trainer_init",
                 )
                 ok = True

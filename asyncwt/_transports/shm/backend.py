@@ -66,7 +66,7 @@ from ..base import (
     Settle,
 )
 from ..link import Peer, WorkerLink
-from ..link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..link_settings import LinkedWorkerInfo, SendersAndDelta
 from ..sockio import recv_exact
 from ..wire import Frame, FrameKind
 from . import cma as _cma
@@ -89,8 +89,8 @@ _CREATED_HERE: set[str] = set()
 """Segments this process created (and its resource tracker rightly tracks)."""
 
 
-@dataclass
-class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+@dataclass(kw_only=True)
+class ShmTrainerInitInfo(SendersAndDelta, TrainerInitInfo):
     """Trainer-side settings of the `"shm"` backend (trainer and workers on one host)."""
 
     backend: ClassVar[str] = "shm"

@@ -72,7 +72,7 @@ class FleetSender(TcpSender):
         await self._read_listings(self.links.peers)
 
     def _fields(self, worker_fields: dict[str, Any]) -> dict[str, Any]:
-        return {**worker_fields, "topology": self.info.topology}
+        return {**worker_fields, "topology": self.info.fanout.name}
 
     async def admit(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> list[Peer]:
         """Admit workers that were not there at init (a rendezvous of their own on a new

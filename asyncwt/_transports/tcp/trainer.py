@@ -77,7 +77,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         if info.tracks_members:
             from .chain import SENDERS
 
-            return SENDERS[info.topology](info, plan)
+            return SENDERS[info.fanout.name](info, plan)
         return TcpSender(info, plan)
 
     @classmethod
@@ -143,7 +143,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                     weight_version=weight_version, after=fence, progress=progress, join=join
                 )
             except (TransferError, ControlPlaneError) as exc:
-                lost = await transport.find_lost(min(1.0, self.info.ready_timeout))
+                lost = await transport.find_lost(min(1.0, self.info.timeouts.ready))
                 if not lost:  # stalled: its start (or finish) went unanswered
                     stalled = members.unanswered
                     lost = [p for p, seen in transport.listings.items() if seen.member in stalled]
@@ -197,8 +197,8 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         fleet = self._fleet()
         if fleet is None:
             raise ValueError(
-                "add_workers needs a tracked fleet: topology='chain' or "
-                f"on_worker_failure='drop' (got topology={self.info.topology!r}, "
+                "add_workers needs a tracked fleet: fanout=Chain() or "
+                f"on_worker_failure='drop' (got fanout={self.info.fanout!r}, "
                 f"on_worker_failure={self.info.on_worker_failure!r})"
             )
         if self._busy:
@@ -213,7 +213,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                 "init_members",
                 init_info,
                 numbers,
-                timeout=self.info.rpc_timeout,
+                timeout=self.info.timeouts.rpc,
                 where="add_workers",
             )
 
