@@ -78,8 +78,8 @@ class SendersAndDelta(LinkedTrainerInfo):
             raise ValueError(f"senders should be one of {list(SENDERS)}, got {self.senders!r}")
         if isinstance(self.delta, bool):
             self.delta = Delta() if self.delta else None
-        if self.delta is not None:
-            check_group("delta", self.delta, Delta)
+        if self.delta is not None and not isinstance(self.delta, Delta):
+            raise ValueError(f"delta should be a Delta, a bool or None, got {self.delta!r}")
         super().__post_init__()
 
     @property
