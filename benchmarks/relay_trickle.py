@@ -63,7 +63,10 @@ async def _rounds(
     stop = threading.Event()
     async with asyncwt.HttpClient([url for _, url in procs], timeout=120) as client:
         info = asyncwt.TcpTrainerInitInfo(
-            rank=0, fanout=asyncwt.Chain(), on_worker_failure="drop", timeouts=asyncwt.Timeouts(**TIMEOUTS)
+            rank=0,
+            fanout=asyncwt.Chain(),
+            on_worker_failure="drop",
+            timeouts=asyncwt.Timeouts(**TIMEOUTS),
         )
         engine = await asyncwt.trainer_init(
             info, client=client, source=asyncwt.ModuleSource(source_model)

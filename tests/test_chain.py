@@ -134,7 +134,7 @@ def chain_info(**timeouts: float) -> TcpTrainerInitInfo:
     """A chain's info with `SMALL_TIMEOUTS`, `timeouts` (`Timeouts` fields) replacing them."""
     # connect below recv: a round stuck connecting to a stalled peer ends before the
     # next round gives up waiting for it.
-    small = dataclasses.replace(SMALL_TIMEOUTS, connect=1.5, **timeouts)
+    small = dataclasses.replace(SMALL_TIMEOUTS, **{"connect": 1.5, **timeouts})
     info = info_for("tcp", fanout=Chain(), timeouts=small)
     assert isinstance(info, TcpTrainerInitInfo)
     return info
