@@ -259,7 +259,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
         the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
-        `ControlPlaneError` (a worker's error, or an RPC past `rpc_timeout`), whose
+        `ControlPlaneError` (a worker's error, or an RPC past `timeouts.rpc`), whose
         message names the round and says whether a new `trainer_init` is needed.
 
         Cancellation: the round is aborted on every worker (their `update_weights`
@@ -267,7 +267,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         iterate thread stops at its next tensor; the next round starts clean. If
         `start_weight_update` had not returned yet (the first gathers run during
         it), there is nothing to abort: no `update_weights` was issued. A
-        bucket already being written finishes first (bounded by `send_timeout`). A
+        bucket already being written finishes first (bounded by `timeouts.send`). A
         cancellation during `finish_weight_update` cannot be taken back: the
         workers may still publish the round, which arrived completely.
         """

@@ -113,7 +113,7 @@ class FleetSender(TcpSender):
                 peer.close("sent no LISTEN")
                 raise TransferError(
                     f"worker {peer.address} did not announce itself within "
-                    f"handshake_timeout={timeout}s (is it an older asyncwt?)"
+                    f"timeouts.handshake={timeout}s (is it an older asyncwt?)"
                 ) from None
             except (TransferError, UnicodeDecodeError) as exc:
                 peer.close(str(exc))

@@ -59,7 +59,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     receives every bucket over its own connection, all concurrently (`"star"`), or
     the trainer sends each bucket once and the workers pass it on (`"chain"`).
 
-    With `topology="chain"` or `on_worker_failure="drop"` the workers are tracked
+    With `fanout=Chain()` or `on_worker_failure="drop"` the workers are tracked
     one by one (the client is split per worker where it can be, see `Members`):
     a worker that dies mid-round is dropped and the round runs again on the
     survivors (`"drop"`), and `add_workers` admits new ones between rounds.
@@ -191,7 +191,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         (a new engine, or one restarted); they receive the full weights from the next
         round on while the others carry on. Returns how many connected.
 
-        Needs a tracked fleet (`topology="chain"` or `on_worker_failure="drop"`) and
+        Needs a tracked fleet (`fanout=Chain()` or `on_worker_failure="drop"`) and
         no round running. Cancellation or failure: nothing is admitted.
         """
         fleet = self._fleet()
