@@ -45,6 +45,7 @@ from asyncwt import (
     ModuleSource,
     ParamMeta,
     TcpTrainerInitInfo,
+    Timeouts,
     WeightTransferConfig,
     model_checksum,
     trainer_init,
@@ -130,12 +131,13 @@ def pool() -> Iterator[Pool]:
         pool.close()
 
 
-def chain_info(**timeouts: float) -> TcpTrainerInitInfo:
-    """A chain's info with `SMALL_TIMEOUTS`, `timeouts` (`Timeouts` fields) replacing them."""
-    # connect below recv: a round stuck connecting to a stalled peer ends before the
-    # next round gives up waiting for it.
-    small = dataclasses.replace(SMALL_TIMEOUTS, **{"connect": 1.5, **timeouts})
-    info = info_for("tcp", fanout=Chain(), timeouts=small)
+def chain_info(timeouts: Timeouts | None = None, **kwargs: object) -> TcpTrainerInitInfo:
+    """A chain's info, `timeouts` defaulting to `SMALL_TIMEOUTS` with a shorter connect:
+    a round stuck connecting to a stalled peer ends before the next round gives up
+    waiting for it."""
+    if timeouts is None:
+        timeouts = dataclasses.replace(SMALL_TIMEOUTS, connect=1.5)
+    info = info_for("tcp", fanout=Chain(), timeouts=timeouts, **kwargs)
     assert isinstance(info, TcpTrainerInitInfo)
     return info
 
@@ -357,7 +359,7 @@ async def test_a_stranger_at_a_relay_listener_is_refused_and_the_round_goes_on()
     model = _models.mixed()
     client = LocalClient(engines)
     # Strangers at the listener: each is refused or dropped, holding up no one.
-    info = chain_info(connect=10.0, recv=10.0)
+    info = chain_info(dataclasses.replace(SMALL_TIMEOUTS, connect=10.0, recv=10.0))
     engine = await trainer_init(info, client=client, source=FaultySource(model))
     async with engine:
         listener = engines[1].receiver.listener  # type: ignore[attr-defined]
