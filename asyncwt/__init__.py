@@ -20,6 +20,12 @@ from ._control.local import LocalClient as LocalClient
 from ._control.ray import RayClient as RayClient
 from ._core.adapter import AdapterSource as AdapterSource
 from ._core.checksum import model_checksum as model_checksum
+from ._core.config import Chain as Chain
+from ._core.config import Delta as Delta
+from ._core.config import Listen as Listen
+from ._core.config import Star as Star
+from ._core.config import Timeouts as Timeouts
+from ._core.config import Tuning as Tuning
 from ._core.errors import ApplyError as ApplyError
 from ._core.errors import AsyncwtError as AsyncwtError
 from ._core.errors import AuthenticationError as AuthenticationError
@@ -115,12 +121,15 @@ __all__ = [
     "AsyncWeightSyncClient",
     "AsyncwtError",
     "AuthenticationError",
+    "Chain",
     "ControlPlaneError",
     "CudaIpcTrainerEngine",
     "CudaIpcTrainerInitInfo",
     "CudaIpcWorkerEngine",
     "CudaIpcWorkerInitInfo",
+    "Delta",
     "HttpClient",
+    "Listen",
     "LocalClient",
     "ModuleSource",
     "ParamMeta",
@@ -140,12 +149,14 @@ __all__ = [
     "ShmWorkerInitInfo",
     "SourceMismatchError",
     "StaleRoundError",
+    "Star",
     "SyncTrainerEngine",
     "TcpTrainerEngine",
     "TcpTrainerInitInfo",
     "TcpUpdateInfo",
     "TcpWorkerEngine",
     "TcpWorkerInitInfo",
+    "Timeouts",
     "TorchDistTrainerEngine",
     "TorchDistTrainerInitInfo",
     "TorchDistWorkerEngine",
@@ -156,6 +167,7 @@ __all__ = [
     "TransferError",
     "TransferPlan",
     "TransferTimeoutError",
+    "Tuning",
     "VLLMWeightSyncClient",
     "WeightSource",
     "WeightTransferConfig",

@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncwt import (
+    Delta,
     HttpClient,
+    Listen,
     ModuleSource,
     ShmTrainerInitInfo,
     TcpTrainerInitInfo,
@@ -131,7 +133,7 @@ def peak_rss(pid: int) -> int:
 
 
 KINDS = ("always", "auto", "full", "twin")
-"""The four trainers, each to its own worker: `delta_policy="always"` (every round
+"""The four trainers, each to its own worker: `Delta(policy="always")` (every round
 a delta: the encoding's bytes and cost), `"auto"` (what a user gets: deltas only
 where they pay), `delta=False` (the full round, the baseline) and `twin`, a second
 `delta=False` trainer: what it measures against `full` is the noise every per-round
@@ -142,10 +144,10 @@ FULL_KINDS = ("full", "twin")
 def trainer_info(
     kind: str, bucket: int, host: str, backend: str = "tcp"
 ) -> TcpTrainerInitInfo | ShmTrainerInitInfo:
-    delta = {} if kind in FULL_KINDS else {"delta": True, "delta_policy": kind}
+    delta = None if kind in FULL_KINDS else Delta(policy=kind)
     if backend == "shm":
-        return ShmTrainerInitInfo(rank=0, bucket_bytes=bucket, **delta)  # type: ignore[arg-type]
-    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, host=host, **delta)  # type: ignore[arg-type]
+        return ShmTrainerInitInfo(rank=0, bucket_bytes=bucket, delta=delta)
+    return TcpTrainerInitInfo(rank=0, bucket_bytes=bucket, listen=Listen(host=host), delta=delta)
 
 
 async def run_lr(

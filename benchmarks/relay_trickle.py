@@ -4,7 +4,7 @@ on SIGTERM mid-round.
 
     python benchmarks/relay_trickle.py [--rounds 3] [--mib 16]
 
-Starts two `asyncwt worker` processes (tcp, `topology="chain"`,
+Starts two `asyncwt worker` processes (tcp, `fanout=Chain()`,
 `on_worker_failure="drop"`) and pushes rounds from this process, alternating
 quiet ones and ones with a trickler (a thread of this process that needs no token)
 at both relay listeners. Each round prints its outcome (ok, the workers dropped,
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-TIMEOUTS = {"connect_timeout": 2.0, "ready_timeout": 5.0, "recv_timeout": 5.0, "rpc_timeout": 10.0}
+TIMEOUTS = {"connect": 2.0, "ready": 5.0, "recv": 5.0, "rpc": 10.0}
+"""`asyncwt.Timeouts` of the run (asyncwt is imported only in the trainer's function)."""
 
 
 def model() -> torch.nn.Module:
@@ -62,7 +63,10 @@ async def _rounds(
     stop = threading.Event()
     async with asyncwt.HttpClient([url for _, url in procs], timeout=120) as client:
         info = asyncwt.TcpTrainerInitInfo(
-            rank=0, topology="chain", on_worker_failure="drop", **TIMEOUTS
+            rank=0,
+            fanout=asyncwt.Chain(),
+            on_worker_failure="drop",
+            timeouts=asyncwt.Timeouts(**TIMEOUTS),
         )
         engine = await asyncwt.trainer_init(
             info, client=client, source=asyncwt.ModuleSource(source_model)

@@ -22,6 +22,7 @@ import ray
 import torch
 
 from asyncwt import (
+    Listen,
     ModuleSource,
     RayClient,
     TcpTrainerInitInfo,
@@ -64,7 +65,7 @@ class Trainer:
         # the same line works when they are on other machines.
         host = ray.util.get_node_ip_address()
         engine = await trainer_init(
-            TcpTrainerInitInfo(rank=0, host=host),
+            TcpTrainerInitInfo(rank=0, listen=Listen(host=host)),
             client=self.client,
             source=ModuleSource(self.model),
         )

@@ -34,6 +34,7 @@ from asyncwt import (
     ParamMeta,
     ShmTrainerInitInfo,
     TcpTrainerInitInfo,
+    Timeouts,
     TorchDistTrainerInitInfo,
     TrainerInitInfo,
     WeightSource,
@@ -50,13 +51,7 @@ INFO_CLASSES: dict[str, type[TrainerInitInfo]] = {
     "torch_dist": TorchDistTrainerInitInfo,
 }
 
-SMALL_TIMEOUTS = {
-    "send_timeout": 2.0,
-    "ready_timeout": 2.0,
-    "recv_timeout": 2.0,
-    "drain_timeout": 2.0,
-    "rpc_timeout": 3.0,
-}
+SMALL_TIMEOUTS = Timeouts(send=2.0, ready=2.0, recv=2.0, drain=2.0, rpc=3.0)
 """Timeouts for tests that stall a peer on purpose: every wait ends within seconds."""
 
 
@@ -308,7 +303,7 @@ def _trainer_main(url: str, backend: str) -> None:
         async with HttpClient(url, timeout=60) as client:
             model = _models.mixed()
             source = FaultySource(model)
-            info = info_for(backend, recv_timeout=5.0, drain_timeout=5.0)
+            info = info_for(backend, timeouts=Timeouts(recv=5.0, drain=5.0))
             engine = await trainer_init(info, client=client, source=source)
             _models.randomize(model, seed=101)
             await engine.send_weights(weight_version="from-child")

@@ -331,7 +331,9 @@ def init_fails_on_one_rank(rank: int, world_size: int, port: int, out_dir: str) 
             config = asyncwt.WeightTransferConfig(backend="tcp")
             workers.append(asyncwt.create_worker_engine(config, model=copy.deepcopy(plain)))
         client: Any = LocalClient(workers) if rank == 0 else _NoClient()
-        info = asyncwt.TcpTrainerInitInfo(rank=rank, port=listen, senders="owners")
+        info = asyncwt.TcpTrainerInitInfo(
+            rank=rank, listen=asyncwt.Listen(port=listen), senders="owners"
+        )
         try:
             await trainer_init(info, client=client, source=ModuleSource(model))
             record["error"] = None

@@ -18,7 +18,7 @@ import anyio
 import pytest
 from _faults import assert_worker_has, info_for, worker_env
 
-from asyncwt import HttpClient, ModuleSource, trainer_init
+from asyncwt import HttpClient, ModuleSource, Timeouts, trainer_init
 from asyncwt._transports.wire import pack_hello
 from asyncwt._worker.launch import worker_process
 
@@ -81,7 +81,7 @@ async def test_a_flood_of_idle_and_stalled_handshakes_does_not_starve_a_worker(
                 start = time.monotonic()
                 with anyio.fail_after(60):
                     engine = await trainer_init(
-                        info_for(backend, connect_timeout=20.0),
+                        info_for(backend, timeouts=Timeouts(connect=20.0)),
                         client=client,
                         source=ModuleSource(model),
                     )

@@ -37,7 +37,9 @@ from asyncwt import (
     ModuleSource,
     SourceMismatchError,
     TcpWorkerInitInfo,
+    Timeouts,
     TrainerInitInfo,
+    Tuning,
     trainer_init,
 )
 from asyncwt._core import sched as _sched
@@ -98,7 +100,7 @@ async def test_mixed_dtypes_arrive_bit_exact_every_round(
     assert not model.noncontig.is_contiguous()
     assert model.big.numel() * 4 > _models.BUCKET_BYTES
     async with HttpClient(mixed_worker) as client:
-        await push_rounds(client, model, rounds=3, info=info(zero_copy=zero_copy))
+        await push_rounds(client, model, rounds=3, info=info(tuning=Tuning(zero_copy=zero_copy)))
 
 
 @uvloop_only
@@ -267,7 +269,7 @@ async def test_the_source_runs_read_ahead_buckets_ahead_while_the_round_opens(
     model = _models.mixed()
     source = YieldTimesSource(model)
     async with SlowStartClient(mixed_worker, delay_s=0.5) as client:
-        info = info_for(backend, read_ahead=read_ahead)
+        info = info_for(backend, tuning=Tuning(read_ahead=read_ahead))
         engine = await trainer_init(info, client=client, source=source)
         async with engine:
             buckets = engine.plan.buckets
@@ -314,7 +316,7 @@ async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
     monkeypatch.setattr(_pipeline, "_copy_into", recording_copy_into)
     own_slice = thread_slice_ns()
     async with HttpClient(mixed_worker) as client:
-        info = info_for(backend, zero_copy=False)  # every tensor is packed
+        info = info_for(backend, tuning=Tuning(zero_copy=False))  # every tensor is packed
         engine = await trainer_init(info, client=client, source=source)
         async with engine:
             await engine.send_weights(weight_version="v1")
@@ -331,31 +333,29 @@ async def test_the_round_asks_for_prompt_gathers_and_bulk_copies(
 @pytest.mark.parametrize(
     ("read_ahead", "message"),
     [
-        (0, r"^read_ahead should be a positive int, got 0$"),
-        (65, r"^read_ahead should be at most 64, got 65$"),
-        (2.0, r"^read_ahead should be a positive int, got 2\.0$"),
+        (0, r"^tuning\.read_ahead should be a positive int, got 0$"),
+        (65, r"^tuning\.read_ahead should be at most 64, got 65$"),
+        (2.0, r"^tuning\.read_ahead should be a positive int, got 2\.0$"),
     ],
 )
 def test_read_ahead_out_of_range_is_rejected_by_name(read_ahead: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        info_for("tcp", read_ahead=read_ahead)
+        Tuning(read_ahead=read_ahead)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    "name", ["connect_timeout", "recv_timeout", "send_timeout", "handshake_timeout"]
-)
+@pytest.mark.parametrize("name", ["connect", "recv", "send", "handshake"])
 @pytest.mark.parametrize("value", [9_007_199_254_740_993, 1e300, 604_801])
 def test_timeouts_past_a_week_are_rejected_by_name(name: str, value: float) -> None:
     """Found by the route fuzzer: a huge `connect_timeout` reached `settimeout`, whose
     OverflowError escaped as a bare 500. Both ends now bound every timeout."""
-    message = rf"^{name} should be at most 604800, got {re.escape(str(value))}$"
-    with pytest.raises(ValueError, match=message):
-        info_for("tcp", **{name: value})
-    if name in ("connect_timeout", "recv_timeout"):  # what a worker receives, too
+    limit = rf"should be at most 604800, got {re.escape(str(value))}$"
+    with pytest.raises(ValueError, match=rf"^timeouts\.{name} {limit}"):
+        Timeouts(**{name: value})
+    if name in ("connect", "recv"):  # what a worker receives, too (as `<name>_timeout`)
         plan = TransferPlan.build(ModuleSource(_models.mixed()).metadata, bucket_bytes=1 << 20)
         fields = {"plan": plan.to_wire(), "host": "127.0.0.1", "port": 1, "token": "t"}
-        with pytest.raises(ValueError, match=message):
-            TcpWorkerInitInfo(**fields, **{name: value})
+        with pytest.raises(ValueError, match=rf"^{name}_timeout {limit}"):
+            TcpWorkerInitInfo(**fields, **{f"{name}_timeout": value})
 
 
 async def _fails_then_the_next_round_arrives(

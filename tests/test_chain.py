@@ -39,11 +39,13 @@ from _faults import (
 
 from asyncwt import (
     AsyncwtError,
+    Chain,
     HttpClient,
     LocalClient,
     ModuleSource,
     ParamMeta,
     TcpTrainerInitInfo,
+    Timeouts,
     WeightTransferConfig,
     model_checksum,
     trainer_init,
@@ -129,11 +131,13 @@ def pool() -> Iterator[Pool]:
         pool.close()
 
 
-def chain_info(**kwargs: object) -> TcpTrainerInitInfo:
-    # connect_timeout below recv_timeout: a round stuck connecting to a stalled peer
-    # ends before the next round gives up waiting for it.
-    kwargs = {**SMALL_TIMEOUTS, "connect_timeout": 1.5, **kwargs}
-    info = info_for("tcp", topology="chain", **kwargs)
+def chain_info(timeouts: Timeouts | None = None, **kwargs: object) -> TcpTrainerInitInfo:
+    """A chain's info, `timeouts` defaulting to `SMALL_TIMEOUTS` with a shorter connect:
+    a round stuck connecting to a stalled peer ends before the next round gives up
+    waiting for it."""
+    if timeouts is None:
+        timeouts = dataclasses.replace(SMALL_TIMEOUTS, connect=1.5)
+    info = info_for("tcp", fanout=Chain(), timeouts=timeouts, **kwargs)
     assert isinstance(info, TcpTrainerInitInfo)
     return info
 
@@ -286,7 +290,7 @@ async def test_star_drop_cuts_out_a_killed_worker_too(pool: Pool) -> None:
     live = {w.url: w for w in (pool.take() for _ in range(3))}
     model = _models.mixed()
     source = KillingSource(model)
-    info = info_for("tcp", on_worker_failure="drop", **SMALL_TIMEOUTS)
+    info = info_for("tcp", on_worker_failure="drop", timeouts=SMALL_TIMEOUTS)
     async with HttpClient(list(live), timeout=20) as client:
         engine = await trainer_init(info, client=client, source=source)
         async with engine:
@@ -306,21 +310,26 @@ async def test_star_drop_cuts_out_a_killed_worker_too(pool: Pool) -> None:
 # -- in one process: settings, the relay listener's admission, join's preconditions ------
 
 
-def test_topology_and_failure_policy_name_the_bad_value() -> None:
-    with pytest.raises(
-        ValueError, match=r"topology should be one of \['star', 'chain'\], got 'ring'"
-    ):
-        TcpTrainerInitInfo(rank=0, topology="ring")
+def test_fanout_and_failure_policy_name_the_bad_value() -> None:
+    with pytest.raises(ValueError, match=r"^fanout should be a Star or Chain, got 'chain'$"):
+        TcpTrainerInitInfo(rank=0, fanout="chain")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="on_worker_failure should be one of .*got 'retry'"):
         TcpTrainerInitInfo(rank=0, on_worker_failure="retry")
 
 
 @pytest.mark.asyncio
 async def test_combinations_a_tracked_fleet_cannot_run_are_refused_at_init() -> None:
-    for fleet in ({"topology": "chain"}, {"on_worker_failure": "drop"}):
-        with pytest.raises(ValueError, match="delta should be False with topology="):
-            TcpTrainerInitInfo(rank=0, delta=True, **fleet)
-    with pytest.raises(ValueError, match="on_worker_failure should be 'fail' with senders="):
+    with pytest.raises(
+        ValueError, match=r"^delta=Delta\(.*\) cannot be combined with fanout=Chain\(\): "
+    ):
+        TcpTrainerInitInfo(rank=0, delta=True, fanout=Chain())
+    with pytest.raises(
+        ValueError, match=r"^delta=Delta\(.*\) cannot be combined with on_worker_failure='drop': "
+    ):
+        TcpTrainerInitInfo(rank=0, delta=True, on_worker_failure="drop")
+    with pytest.raises(
+        ValueError, match=r"^senders='owners' cannot be combined with on_worker_failure='drop': "
+    ):
         TcpTrainerInitInfo(rank=0, senders="owners", on_worker_failure="drop")
 
     class Sharded(ModuleSource):  # a parameter rank 1 holds too: a drop's re-run would hang
@@ -350,7 +359,7 @@ async def test_a_stranger_at_a_relay_listener_is_refused_and_the_round_goes_on()
     model = _models.mixed()
     client = LocalClient(engines)
     # Strangers at the listener: each is refused or dropped, holding up no one.
-    info = chain_info(connect_timeout=10.0, recv_timeout=10.0)
+    info = chain_info(dataclasses.replace(SMALL_TIMEOUTS, connect=10.0, recv=10.0))
     engine = await trainer_init(info, client=client, source=FaultySource(model))
     async with engine:
         listener = engines[1].receiver.listener  # type: ignore[attr-defined]

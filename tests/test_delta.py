@@ -38,6 +38,8 @@ from _faults import (
 
 from asyncwt import (
     AsyncwtError,
+    CudaIpcTrainerInitInfo,
+    Delta,
     HttpClient,
     LocalClient,
     ModuleSource,
@@ -266,10 +268,20 @@ def test_sparse_bodies_decode_the_same_in_any_chunk_size(encoding_changed: float
 
 
 def test_delta_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"^delta should be a bool"):
+    with pytest.raises(ValueError, match=r"^delta should be a Delta, a bool or None, got 1$"):
         TcpTrainerInitInfo(rank=0, delta=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^delta_full_every should be"):
-        TcpTrainerInitInfo(rank=0, delta=True, delta_full_every=-1)
+    with pytest.raises(
+        ValueError, match=r"^delta\.full_every should be an int in \[0, 2147483648\], got -1$"
+    ):
+        Delta(full_every=-1)
+    with pytest.raises(
+        ValueError, match=r"^delta\.policy should be one of \['auto', 'always'\], got 'never'$"
+    ):
+        Delta(policy="never")
+    with pytest.raises(TypeError, match=r"delta_full_every=4; it moved to delta=Delta\(full_every"):
+        TcpTrainerInitInfo(rank=0, delta=True, delta_full_every=4)  # type: ignore[call-arg]
+    assert TcpTrainerInitInfo(rank=0, delta=True).delta == Delta()
+    assert TcpTrainerInitInfo(rank=0, delta=False).delta is None
 
 
 def test_auto_policy_keeps_a_copy_and_sends_deltas_only_once_the_wire_is_slow() -> None:
@@ -346,11 +358,10 @@ def nudge(model: torch.nn.Module, seed: int, fraction: float) -> None:
                 param.add_(mask.to(param.dtype) * 0.25)
 
 
-def delta_info(**kwargs: object) -> TcpTrainerInitInfo:
-    info = info_for("tcp", **kwargs)
+def delta_info(full_every: int = 0, **kwargs: object) -> TcpTrainerInitInfo:
+    # policy "always": deterministic, every round that can be a delta is one
+    info = info_for("tcp", delta=Delta(full_every=full_every, policy="always"), **kwargs)
     assert isinstance(info, TcpTrainerInitInfo)
-    info.delta = True
-    info.delta_policy = "always"  # deterministic: every round that can be a delta is one
     return info
 
 
@@ -362,11 +373,11 @@ def is_delta(stats: RoundStats) -> bool:
 async def test_delta_rounds_are_bit_exact_and_small_on_both_kinds_of_worker(
     workers: list[tuple[subprocess.Popen[bytes], str]],
 ) -> None:
-    await delta_trajectory([url for _, url in workers], delta_info(delta_full_every=4))
+    await delta_trajectory([url for _, url in workers], delta_info(full_every=4))
 
 
 async def delta_trajectory(urls: list[str], info: TrainerInitInfo) -> Any:
-    """Nine rounds with `delta_full_every=4` in `info`, each bit-exact on every worker,
+    """Nine rounds with `Delta(full_every=4)` in `info`, each bit-exact on every worker,
     each a delta where it can be; returns the engine's transport."""
     async with HttpClient(urls) as client:
         model = _models.mixed()
@@ -381,7 +392,7 @@ async def delta_trajectory(urls: list[str], info: TrainerInitInfo) -> Any:
                 await assert_worker_has(client, model, f"v{i}")
                 kinds.append(is_delta(stats))
                 assert 0 < stats.wire_bytes <= stats.bytes + 64 * len(engine.plan.buckets)
-            # 0: no base yet; 4 and 8: delta_full_every; 5: most units changed (raw)
+            # 0: no base yet; 4 and 8: full_every; 5: most units changed (raw)
             assert kinds == [False, True, True, True, False, False, True, True, False]
             return engine.transport
 
@@ -512,7 +523,7 @@ async def test_a_delta_round_cut_at_seeded_offsets_publishes_nothing_and_recover
     async with ProxyClient(url, timeout=30) as client:
         model = _models.mixed()
         for i in range(CUTS):
-            info = delta_info(**SMALL_TIMEOUTS)
+            info = delta_info(timeouts=SMALL_TIMEOUTS)
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 _models.randomize(model, seed=100 + i)
@@ -597,21 +608,11 @@ def _worker(backend: str = "tcp") -> Any:
     return create_worker_engine(WeightTransferConfig(backend=backend), model=_models.mixed())
 
 
-@pytest.mark.asyncio
-async def test_backends_without_delta_rounds_refuse_delta() -> None:
-    worker = _worker()
-    info = TorchDistTrainerInitInfo(rank=0, num_workers=1, delta=True)
-    try:
-        with pytest.raises(
-            ValueError,
-            match=r"^delta should be False for the torch_dist backend \(delta rounds run on "
-            r"tcp and shm\), got True$",
-        ):
-            await trainer_init(
-                info, client=LocalClient([worker]), source=ModuleSource(_models.mixed())
-            )
-    finally:
-        worker.shutdown()
+def test_backends_without_delta_rounds_have_no_delta_setting() -> None:
+    for cls in (TorchDistTrainerInitInfo, CudaIpcTrainerInitInfo):
+        assert "delta" not in {f.name for f in dataclasses.fields(cls)}
+        with pytest.raises(TypeError, match="unexpected keyword argument 'delta'"):
+            cls(rank=0, delta=True)  # type: ignore[call-arg]
 
 
 @pytest.mark.asyncio
@@ -621,7 +622,7 @@ async def test_only_the_worker_that_lost_its_base_gets_a_full_round(backend: str
     model = _models.mixed()
     _models.randomize(model, seed=11)
     client = LocalClient(workers)
-    info = info_for(backend, delta=True, delta_policy="always")
+    info = info_for(backend, delta=Delta(policy="always"))
     engine = await trainer_init(info, client=client, source=ModuleSource(model))
     try:
         await engine.send_weights(weight_version="v0")

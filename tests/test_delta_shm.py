@@ -37,6 +37,7 @@ from test_delta import (
 
 from asyncwt import (
     AsyncwtError,
+    Delta,
     HttpClient,
     LocalClient,
     ModuleSource,
@@ -62,9 +63,11 @@ def workers() -> Iterator[Workers]:
     assert not shm_leftovers()
 
 
-def shm_delta_info(**kwargs: object) -> ShmTrainerInitInfo:
-    kwargs.setdefault("delta_policy", "always")  # every round that can be a delta is one
-    info = info_for("shm", delta=True, **kwargs)
+def shm_delta_info(
+    full_every: int = 0, policy: str = "always", **kwargs: object
+) -> ShmTrainerInitInfo:
+    # policy "always" (the default here): every round that can be a delta is one
+    info = info_for("shm", delta=Delta(full_every=full_every, policy=policy), **kwargs)
     assert isinstance(info, ShmTrainerInitInfo)
     return info
 
@@ -85,8 +88,9 @@ def _inner(transport: object) -> ShmSender:
 async def test_shm_delta_rounds_are_bit_exact_and_small(
     workers: Workers, direct_reads: bool
 ) -> None:
-    info = shm_delta_info(delta_full_every=4, direct_reads=direct_reads)
+    info = shm_delta_info(full_every=4, direct_reads=direct_reads)
     sender = _inner(await delta_trajectory([url for _, url in workers], info))
+    assert isinstance(sender, ShmSender)
     assert [p.reads_directly for p in sender.links.peers] == [direct_reads] * 2
 
 
@@ -98,7 +102,7 @@ async def test_shm_auto_policy_rounds_are_bit_exact(workers: Workers) -> None:
     async with HttpClient(urls) as client:
         model = _models.mixed()
         _models.randomize(model, seed=2)
-        info = shm_delta_info(delta_policy="auto")
+        info = shm_delta_info(policy="auto")
         engine = await trainer_init(info, client=client, source=ModuleSource(model))
         async with engine:
             for i in range(4):

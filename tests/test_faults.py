@@ -50,6 +50,7 @@ from asyncwt import (
     ControlPlaneError,
     HttpClient,
     ModuleSource,
+    Timeouts,
     TransferError,
     model_checksum,
     trainer_init,
@@ -126,7 +127,7 @@ async def test_data_connection_cut_at_random_offsets_fails_cleanly_and_recovers(
         model = _models.mixed()
         leaks: LeakCheck | None = None
         for i in range(CUT_OFFSETS):
-            info = info_for(backend, **SMALL_TIMEOUTS)
+            info = info_for(backend, timeouts=SMALL_TIMEOUTS)
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 _models.randomize(model, seed=1000 + i)
@@ -226,7 +227,7 @@ async def test_killed_worker_ends_the_round_with_an_error_and_a_new_worker_recov
             model = _models.mixed()
             source = FaultySource(model)
             engine = await trainer_init(
-                info_for(backend, **SMALL_TIMEOUTS), client=client, source=source
+                info_for(backend, timeouts=SMALL_TIMEOUTS), client=client, source=source
             )
             async with engine:
                 await engine.send_weights(weight_version="alive")
@@ -319,7 +320,7 @@ async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
             model = _models.mixed()
             source = FaultySource(model)
             engine = await trainer_init(
-                info_for(backend, **SMALL_TIMEOUTS), client=client, source=source
+                info_for(backend, timeouts=SMALL_TIMEOUTS), client=client, source=source
             )
             async with engine:
                 _models.randomize(model, seed=1)
@@ -343,7 +344,7 @@ async def test_stopped_worker_ends_the_round_within_its_timeouts_then_recovers(
                 os.kill(proc.pid, signal.SIGCONT)
                 print(f"{backend}: worker stopped: {caught.value!r} after {elapsed:.2f}s")
             leaks.check()
-            assert elapsed < 3 * SMALL_TIMEOUTS["rpc_timeout"]
+            assert elapsed < 3 * SMALL_TIMEOUTS.rpc
             status = await status_of(client)
             assert_nothing_published(status, "before", good)
             engine = await trainer_init(info_for(backend), client=client, source=source)
@@ -371,7 +372,7 @@ async def test_stuck_apply_fails_finish_after_drain_timeout_naming_the_bucket(
     with worker_process("_models:mixed", *args, env=env) as url:
         async with HttpClient(url) as client:
             model = _models.mixed()
-            info = info_for("tcp", drain_timeout=1.0, rpc_timeout=3.0)
+            info = info_for("tcp", timeouts=Timeouts(drain=1.0, rpc=3.0))
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 _models.randomize(model, seed=1)
@@ -442,7 +443,7 @@ async def test_a_sync_client_wedged_after_an_abort_is_abandoned_after_rpc_timeou
     model = _models.mixed()
     source = FaultySource(model)
     try:
-        info = info_for("tcp", rpc_timeout=1.0)
+        info = info_for("tcp", timeouts=Timeouts(rpc=1.0))
         engine = await trainer_init(info, client=client, source=source)
         async with engine:
             await engine.send_weights(weight_version="good")

@@ -84,6 +84,7 @@ from asyncwt import (
     ModuleSource,
     ParamMeta,
     TcpTrainerInitInfo,
+    Timeouts,
     WeightTransferConfig,
     model_checksum,
     trainer_init,
@@ -422,9 +423,7 @@ class Worker:
         info = TcpTrainerInitInfo(
             rank=0,
             bucket_bytes=_models.BUCKET_BYTES,
-            connect_timeout=5.0,
-            recv_timeout=5.0,
-            rpc_timeout=20.0,
+            timeouts=Timeouts(connect=5.0, recv=5.0, rpc=20.0),
         )
 
         async def run() -> None:

@@ -24,6 +24,7 @@ import anyio
 import pytest
 import torch
 
+from asyncwt import Timeouts
 from asyncwt._backends import torch_dist
 from asyncwt._core.errors import TransferTimeoutError
 from asyncwt._core.meta import ParamMeta, Shard
@@ -241,7 +242,7 @@ def _nccl_sender(timeout: float) -> torch_dist.TorchDistSender:
     model = torch.nn.Linear(4, 4)
     plan = TransferPlan.build(ModuleSource(model).metadata, bucket_bytes=4096)
     info = torch_dist.TorchDistTrainerInitInfo(
-        rank=0, group_backend="nccl", send_timeout=timeout, num_workers=1
+        rank=0, group_backend="nccl", timeouts=Timeouts(send=timeout), num_workers=1
     )
     sender = torch_dist.TorchDistSender(info, plan, GPU)
     sender.store = torch.distributed.HashStore()

@@ -48,7 +48,7 @@ async def test_a_frame_the_worker_does_not_take_fails_within_send_timeout() -> N
     try:
         started = time.monotonic()
         with pytest.raises(
-            TransferTimeoutError, match=r"did not take bucket 0 within send_timeout=0\.3s"
+            TransferTimeoutError, match=r"did not take bucket 0 within timeouts\.send=0\.3s"
         ):
             await links.send_frame(peer, _frame(), "bucket 0")
         assert 0.3 <= time.monotonic() - started < 3

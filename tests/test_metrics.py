@@ -15,7 +15,14 @@ import aiohttp
 import pytest
 from _faults import info_for, worker_env
 
-from asyncwt import ControlPlaneError, HttpClient, ModuleSource, model_checksum, trainer_init
+from asyncwt import (
+    ControlPlaneError,
+    HttpClient,
+    ModuleSource,
+    Timeouts,
+    model_checksum,
+    trainer_init,
+)
 from asyncwt._worker.launch import start_worker, stop_worker
 
 uvloop_only = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -51,7 +58,9 @@ async def test_a_worker_logs_and_counts_its_rounds_and_a_failing_transform(
     try:
         async with HttpClient(url) as client, aiohttp.ClientSession() as http:
             engine = await trainer_init(
-                info_for("tcp", recv_timeout=10.0), client=client, source=ModuleSource(model)
+                info_for("tcp", timeouts=Timeouts(recv=10.0)),
+                client=client,
+                source=ModuleSource(model),
             )
             async with engine:
                 told: list[tuple[int, int]] = []

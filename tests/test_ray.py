@@ -169,7 +169,7 @@ async def test_ray_actor_killed_mid_round_fails_the_round_naming_it_and_publishe
     client = WatchedClient([doomed, survivor])
     model = _models.mixed()
     source = GatedSource(model)
-    engine = await trainer_init(info(**SMALL_TIMEOUTS), client=client, source=source)
+    engine = await trainer_init(info(timeouts=SMALL_TIMEOUTS), client=client, source=source)
     async with engine:
         perturb(model, 1)
         await engine.send_weights(weight_version="v1")

@@ -145,17 +145,20 @@ def test_the_digest_is_stable_and_sees_every_choice() -> None:
 REFUSED = [
     (
         {"senders": "owners", "route": "chain"},
-        "senders='owners' does not work with topology='chain' yet",
+        "senders='owners' cannot be combined with fanout=Chain()",
     ),
-    ({"senders": "owners", "codec": "delta"}, "senders='owners' does not work with delta=True"),
+    (
+        {"senders": "owners", "codec": "delta"},
+        "senders='owners' cannot be combined with delta=Delta()",
+    ),
     (
         {"senders": "owners", "on_worker_failure": "drop"},
-        "senders='owners' does not work with on_worker_failure='drop'",
+        "senders='owners' cannot be combined with on_worker_failure='drop'",
     ),
-    ({"codec": "delta", "route": "chain"}, "delta=True does not work with topology='chain'"),
+    ({"codec": "delta", "route": "chain"}, "delta=Delta() cannot be combined with fanout=Chain()"),
     (
         {"codec": "delta", "on_worker_failure": "drop"},
-        "delta=True does not work with on_worker_failure='drop'",
+        "delta=Delta() cannot be combined with on_worker_failure='drop'",
     ),
 ]
 
@@ -170,16 +173,22 @@ def test_a_refused_pair_cannot_be_built_and_names_both_settings(
 
 def test_refusal_holds_whichever_step_comes_last() -> None:
     owners = owner_senders(_plan(), world_size=2)
-    with pytest.raises(ValueError, match="senders='owners' does not work with topology"):
+    with pytest.raises(ValueError, match="senders='owners' cannot be combined with fanout"):
         via_chain(owners)
-    with pytest.raises(ValueError, match="senders='owners' does not work with delta"):
+    with pytest.raises(ValueError, match="senders='owners' cannot be combined with delta"):
         with_delta(owners)
     chain = via_chain(rank0_senders(_plan()))
-    with pytest.raises(ValueError, match="delta=True does not work with topology='chain'"):
+    with pytest.raises(
+        ValueError, match=re.escape("delta=Delta() cannot be combined with fanout=Chain()")
+    ):
         with_delta(chain)
-    with pytest.raises(ValueError, match="delta=True does not work with on_worker_failure"):
+    with pytest.raises(
+        ValueError, match=re.escape("delta=Delta() cannot be combined with on_worker_failure")
+    ):
         dropping_workers(with_delta(rank0_senders(_plan())))
-    with pytest.raises(ValueError, match="senders='owners' does not work with topology='chain'"):
+    with pytest.raises(
+        ValueError, match=re.escape("senders='owners' cannot be combined with fanout=Chain()")
+    ):
         dataclasses.replace(owners, route="chain")  # nor by hand
 
 
@@ -223,7 +232,7 @@ def test_a_backend_refuses_what_it_cannot_run_naming_itself() -> None:
         r"and shm\), got True$",
     ):
         check_choices(RoundChoices(codec="delta"), plain, "cuda_ipc")
-    with pytest.raises(ValueError, match=r"^topology should be 'star' for the shm backend"):
+    with pytest.raises(ValueError, match=r"^fanout should be Star\(\) for the shm backend"):
         check_choices(RoundChoices(route="chain"), plain, "shm")
     check_choices(RoundChoices(), plain, "torch_dist")  # the default plan runs everywhere
 
@@ -231,7 +240,7 @@ def test_a_backend_refuses_what_it_cannot_run_naming_itself() -> None:
 def test_the_settings_say_what_plan_they_choose() -> None:
     """Each backend's init info names its choices: the engines read those, no field."""
     assert asyncwt.TcpTrainerInitInfo(rank=0).round_choices() == RoundChoices()
-    chosen = asyncwt.TcpTrainerInitInfo(rank=0, topology="chain").round_choices()
+    chosen = asyncwt.TcpTrainerInitInfo(rank=0, fanout=asyncwt.Chain()).round_choices()
     assert chosen == RoundChoices(route="chain")
     chosen = asyncwt.TcpTrainerInitInfo(rank=0, delta=True).round_choices()
     assert chosen == RoundChoices(codec="delta")

@@ -369,7 +369,7 @@ async def test_a_late_update_of_a_cancelled_round_cannot_fail_the_next_round() -
     with worker_process("_models:mixed", "--backend", "tcp", env=worker_env()) as url:
         async with LateUpdateClient(url) as client:
             model = _models.mixed()
-            info = info_for("tcp", **SMALL_TIMEOUTS)
+            info = info_for("tcp", timeouts=SMALL_TIMEOUTS)
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 _models.randomize(model, seed=1)

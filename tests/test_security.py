@@ -25,9 +25,11 @@ from _fuzzkit import TOKEN, fake_trainer, run_trainer_handshake, small_plan, tra
 import asyncwt
 from asyncwt import (
     AuthenticationError,
+    Listen,
     LocalClient,
     ModuleSource,
     TcpTrainerInitInfo,
+    Timeouts,
     WeightTransferConfig,
     create_worker_engine,
     trainer_init,
@@ -138,7 +140,7 @@ async def test_every_trainer_listener_binds_loopback_by_default(backend: str) ->
 
     try:
         info = info_for(backend)
-        assert info.host == "127.0.0.1"  # type: ignore[attr-defined]
+        assert info.listen.host == "127.0.0.1"  # type: ignore[attr-defined]
         engine = await trainer_init(
             info, client=Recording(engines), source=ModuleSource(_models.mixed())
         )
@@ -264,8 +266,8 @@ async def test_a_flood_of_idle_connections_during_init_holds_few_trainer_descrip
     info = TcpTrainerInitInfo(
         rank=0,
         bucket_bytes=_models.BUCKET_BYTES,
-        max_pending_handshakes=limit,
-        handshake_timeout=0.3,
+        listen=Listen(max_pending_handshakes=limit),
+        timeouts=Timeouts(handshake=0.3),
     )
     try:
         with anyio.fail_after(30):
@@ -410,7 +412,9 @@ async def test_a_round_from_a_stranger_cannot_break_the_trainers_link() -> None:
     with worker_process("_models:mixed", "--backend", "tcp", env=worker_env()) as url:
         async with HttpClient(url) as client, HttpClient(url) as stranger:
             model = _models.mixed()
-            info = TcpTrainerInitInfo(rank=0, bucket_bytes=_models.BUCKET_BYTES, **SMALL_TIMEOUTS)
+            info = TcpTrainerInitInfo(
+                rank=0, bucket_bytes=_models.BUCKET_BYTES, timeouts=SMALL_TIMEOUTS
+            )
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:
                 _models.randomize(model, seed=5)

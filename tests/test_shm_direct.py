@@ -32,6 +32,7 @@ from asyncwt import (
     ShmTrainerInitInfo,
     ShmWorkerInitInfo,
     TransferError,
+    Tuning,
     model_checksum,
     trainer_init,
 )
@@ -351,7 +352,9 @@ async def test_split_direct_reads_are_bit_exact_and_leave_no_thread(
 @pytest.mark.slow
 async def test_a_trainer_that_offers_no_direct_reads_uses_the_ring(zero_copy: bool) -> None:
     with worker_process("_models:mixed", "--backend", "shm", env=worker_env()) as url:
-        sender, _ = await _push([url], _models.mixed(), 2, direct_reads=False, zero_copy=zero_copy)
+        sender, _ = await _push(
+            [url], _models.mixed(), 2, direct_reads=False, tuning=Tuning(zero_copy=zero_copy)
+        )
     assert not sender.direct and not sender.links.peers[0].reads_directly
     assert not shm_leftovers()
 

@@ -18,7 +18,14 @@ import pytest
 import torch.distributed as dist
 from _faults import assert_worker_has, info_for, worker_env
 
-from asyncwt import AuthenticationError, HttpClient, ModuleSource, TransferPlan, trainer_init
+from asyncwt import (
+    AuthenticationError,
+    HttpClient,
+    ModuleSource,
+    Timeouts,
+    TransferPlan,
+    trainer_init,
+)
 from asyncwt._backends.torch_dist_store import StoreClient, StoreServer, store_digest
 from asyncwt._transports.wire import (
     CHALLENGE_SIZE,
@@ -61,7 +68,7 @@ async def test_a_stranger_cannot_list_the_store_or_learn_the_group_key() -> None
     _models.randomize(model, seed=9)
     with worker_process("_models:mixed", "--backend", "torch_dist", env=worker_env()) as url:
         async with SnoopingClient(url, timeout=60) as client:
-            info = info_for("torch_dist", handshake_timeout=2.0)
+            info = info_for("torch_dist", timeouts=Timeouts(handshake=2.0))
             with anyio.fail_after(60):
                 engine = await trainer_init(info, client=client, source=ModuleSource(model))
             async with engine:

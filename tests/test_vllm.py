@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from asyncwt import (
+    Chain,
     ControlPlaneError,
     HttpClient,
     ModuleSource,
@@ -402,7 +403,7 @@ async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
 async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
     vllm_server: str, prompts: list[list[int]], original: Any, vllm_first: bool
 ) -> None:
-    """topology="chain" through the plugin: the vLLM server forwards to an asyncwt worker
+    """fanout=Chain() through the plugin: the vLLM server forwards to an asyncwt worker
     (or receives from one); generation follows the weights and the asyncwt worker holds
     the trainer's bytes exactly, having received them only through its neighbour."""
     from asyncwt._core.checksum import model_checksum
@@ -417,7 +418,7 @@ async def test_a_vllm_server_is_a_link_of_a_tcp_chain(
     with worker_process("_vllm_model:model_from_env", env=env) as worker_url:
         urls = [vllm_server, worker_url] if vllm_first else [worker_url, vllm_server]
         client = HttpClient(urls)
-        info = TcpTrainerInitInfo(rank=0, topology="chain")
+        info = TcpTrainerInitInfo(rank=0, fanout=Chain())
         engine = await trainer_init(info, client=client, source=ModuleSource(trainer_model))
         try:
             async with fresh_session() as session, HttpClient(worker_url) as worker:

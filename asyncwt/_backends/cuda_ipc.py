@@ -170,7 +170,7 @@ def local_index(uuid: str | None, fallback: torch.device) -> int:
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CudaIpcTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     """Trainer-side settings of the `"cuda_ipc"` backend (GPU, one node)."""
 

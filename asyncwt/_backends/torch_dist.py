@@ -418,7 +418,7 @@ def _start_all(
         return [_start_broadcast(group, tensor) for tensor in tensors]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TorchDistTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     """Trainer-side settings of the `"torch_dist"` backend.
 
@@ -531,13 +531,13 @@ class TorchDistSender(LinkedSender):
         # The store admits only workers that prove the token (see `_store`): a
         # TCPStore would list its keys, and take writes, from anyone who reaches it.
         self.store_server = StoreServer(
-            info.host,
+            info.listen.host,
             info.store_port,
             token=info.token,
             digest=store_digest(self.plan.digest),
-            timeout=info.connect_timeout,
-            handshake_timeout=min(info.handshake_timeout, info.connect_timeout),
-            max_pending=info.max_pending_handshakes,
+            timeout=info.timeouts.connect,
+            handshake_timeout=min(info.timeouts.handshake, info.timeouts.connect),
+            max_pending=info.listen.max_pending_handshakes,
             max_peers=info.num_workers,
         )
         await self.store_server.start()
@@ -567,9 +567,9 @@ class TorchDistSender(LinkedSender):
                 dist.PrefixStore(f"asyncwt/{self.group_key}/", self.store),
                 0,
                 self.info.num_workers + 1,
-                self.info.send_timeout,
+                self.info.timeouts.send,
                 self.device,
-                self.info.advertise_host or self.info.host,
+                self.info.listen.advertise_host or self.info.listen.host,
                 self._side,
             )
             # Shielded (a rendezvous in flight cannot be abandoned half-way), and
@@ -577,7 +577,7 @@ class TorchDistSender(LinkedSender):
             with anyio.CancelScope(shield=True):
                 try:
                     self.group = await anyio.to_thread.run_sync(
-                        _form_within, create, self.info.send_timeout
+                        _form_within, create, self.info.timeouts.send
                     )
                 except BaseException:
                     self.store = None  # the group's key is spent: trainer_init again
@@ -637,7 +637,9 @@ class TorchDistSender(LinkedSender):
 
         async def settle() -> None:
             try:
-                await anyio.to_thread.run_sync(_wait_all, works, self._side, self.info.send_timeout)
+                await anyio.to_thread.run_sync(
+                    _wait_all, works, self._side, self.info.timeouts.send
+                )
             except RuntimeError as exc:
                 raise self._broadcast_failed(bucket, exc) from exc.with_traceback(None)
 
@@ -652,7 +654,7 @@ class TorchDistSender(LinkedSender):
         return error(
             f"round {self.links.round_id}: broadcasting bucket {bucket.index} failed "
             f"(a worker left the group, or stalled past the group timeout of "
-            f"send_timeout={self.info.send_timeout}s): {exc}; call trainer_init again to "
+            f"timeouts.send={self.info.timeouts.send}s): {exc}; call trainer_init again to "
             f"reconnect"
         )
 

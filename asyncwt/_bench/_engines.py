@@ -34,6 +34,7 @@ from typing_extensions import Self
 
 from .._control.http import HttpClient
 from .._core.checksum import model_checksum
+from .._core.config import Listen, Tuning
 from .._core.registry import registered_backends, trainer_init
 from .._core.source import ModuleSource, WeightSource
 from .._core.stats import RoundStats
@@ -100,7 +101,7 @@ class BackendEntry:
         """The rank-0 trainer init info for `config` (loopback endpoints, one worker).
 
         Every pipelined backend's info takes `bucket_bytes`, `num_buffers` and
-        `zero_copy`; `host` is pinned to 127.0.0.1 where the info has one.
+        `tuning`; `listen` is pinned to 127.0.0.1 where the info has one.
         """
         module_name, _, class_name = self.info_class.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
@@ -109,10 +110,10 @@ class BackendEntry:
             "rank": 0,
             "bucket_bytes": config.bucket_bytes,
             "num_buffers": config.num_buffers,
-            "zero_copy": config.zero_copy,
+            "tuning": Tuning(zero_copy=config.zero_copy),
         }
-        if "host" in names:
-            kwargs["host"] = "127.0.0.1"
+        if "listen" in names:
+            kwargs["listen"] = Listen(host="127.0.0.1")
         if "read_streams" in names:
             kwargs["read_streams"] = config.read_streams
         info: TrainerInitInfo = cls(**kwargs)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .meta import ParamMeta
+from .modes import Mode, check_modes
 from .owners import Box, OwnersLayout
 from .plan import TransferPlan
 
@@ -90,71 +91,46 @@ class BackendFeatures:
     codecs: tuple[Codec, ...] = ("raw",)
 
 
-def _shown(choices: RoundChoices, setting: str) -> str:
-    value = {
-        "senders": choices.senders,
-        "topology": choices.route,
-        "delta": choices.codec == "delta",
-        "on_worker_failure": choices.on_worker_failure,
-    }[setting]
-    return f"{setting}={value!r}"
-
-
-_REFUSED: tuple[tuple[str, str, str], ...] = (
-    # (setting, other setting, why): refused where both are chosen (not the default).
-    ("senders", "topology", " yet: each owner rank sends to every worker directly"),
-    ("senders", "delta", ": delta rounds are sent from rank 0"),
-    ("senders", "on_worker_failure", ": a dropped worker's round runs again on rank 0 alone"),
-    ("delta", "topology", ": delta rounds need the untracked star"),
-    ("delta", "on_worker_failure", ": delta rounds need the untracked star"),
-)
-"""Every pair of settings that cannot go together. Each setting here is a choice
-whose default (rank0, star, raw, fail) goes with everything; what a pair of
-non-defaults cannot do is said in `why`. The init infos refuse the same pairs at
-construction (one table for both is the aim; the integrator unifies)."""
-
 _WHERE = {
     "senders": ("owners", "senders='owners' is supported by the tcp and shm backends"),
-    "topology": ("chain", "topology='chain' is supported by the tcp backend"),
+    "fanout": ("chain", "fanout=Chain() is supported by the tcp backend"),
     "delta": ("delta", "delta rounds run on tcp and shm"),
 }
 
 
-def _non_default(choices: RoundChoices) -> set[str]:
+def choice_modes(choices: RoundChoices) -> dict[str, Mode]:
+    """`choices` as the settings' modes, spelled as a user writes them (`fanout=Chain()`,
+    `delta=Delta()`): what `asyncwt._core.modes.REFUSED`, the one table, is checked on."""
     return {
-        name
-        for name, chosen in (
-            ("senders", choices.senders != "rank0"),
-            ("topology", choices.route != "star"),
-            ("delta", choices.codec != "raw"),
-            ("on_worker_failure", choices.on_worker_failure != "fail"),
-        )
-        if chosen
+        "senders": Mode(choices.senders, repr(choices.senders)),
+        "fanout": Mode(choices.route, "Chain()" if choices.route == "chain" else "Star()"),
+        "delta": Mode(
+            "on" if choices.codec == "delta" else "off",
+            "Delta()" if choices.codec == "delta" else "None",
+        ),
+        "on_worker_failure": Mode(choices.on_worker_failure, repr(choices.on_worker_failure)),
     }
 
 
 def refuse(choices: RoundChoices) -> None:
-    """Raise a `ValueError` naming both settings if `choices` holds a refused pair."""
-    chosen = _non_default(choices)
-    for setting, other, why in _REFUSED:
-        if setting in chosen and other in chosen:
-            raise ValueError(
-                f"{_shown(choices, setting)} does not work with {_shown(choices, other)}{why}"
-            )
+    """Raise a `ValueError` naming both settings if `choices` holds a pair that
+    `asyncwt._core.modes.REFUSED` lists (the init infos check the same table when
+    they are built; a plan built by hand meets it here)."""
+    check_modes(choice_modes(choices))
 
 
 def check_choices(
     choices: RoundChoices, features: BackendFeatures | None = None, backend: str = "this"
 ) -> None:
-    """Refuse `choices` that cannot work (see `_REFUSED`), or that the backend cannot
+    """Refuse `choices` that cannot work (see `refuse`), or that the backend cannot
     run (`features`), naming the settings and the backend. Pure: run it first."""
     if features is not None:
         if choices.senders not in features.senders:
             raise ValueError(f"{_WHERE['senders'][1]}, got backend={backend!r}")
         if choices.route not in features.routes:
             raise ValueError(
-                f"topology should be 'star' for the {backend} backend "
-                f"({_WHERE['topology'][1]}), got {choices.route!r}"
+                f"fanout should be Star() for the {backend} backend "
+                f"({_WHERE['fanout'][1]}), got Chain()"
             )
         if choices.codec not in features.codecs:
             raise ValueError(

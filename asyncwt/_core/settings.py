@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .adapter import AdapterConfig, parse_adapter_config
-from .plan import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TransferPlan
+from .config import MAX_NUM_BUFFERS, Timeouts, Tuning, check_group, refuse_moved
+from .modes import Mode, check_modes
+from .plan import DEFAULT_BUCKET_BYTES, TransferPlan
 from .round_plan import Codec, RoundChoices
 from .validate import (
     check_at_most,
@@ -29,21 +31,10 @@ __all__ = [
     "check_trainer_id",
 ]
 
-_TIMEOUTS = (
-    "connect_timeout",
-    "send_timeout",
-    "ready_timeout",
-    "recv_timeout",
-    "drain_timeout",
-    "rpc_timeout",
-)
 API_KEY_ENV = "ASYNCWT_API_KEY"
 """The environment variable holding the workers' API key: `asyncwt worker` reads it
 (as `--api-key`), and so does `HttpClient` when given no `api_key`."""
 
-MAX_NUM_BUFFERS = 64
-"""Upper bound on `num_buffers` (each a bucket-sized allocation, on the worker too) and
-on `read_ahead` (each a bucket of tensors the trainer's source has handed over)."""
 MAX_ROUND_ID = 2**64 - 1
 """Round ids travel in frame headers as unsigned 64-bit integers."""
 
@@ -56,71 +47,54 @@ def check_trainer_id(value: object) -> None:
     check_str("trainer_id", value, max_chars=MAX_TRAINER_ID_CHARS)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineSettings:
     """Wire and pipeline settings every pipelined backend's trainer init info carries.
 
-    A mixin: each backend's `TrainerInitInfo` subclass inherits these fields.
+    A mixin: each backend's `TrainerInitInfo` subclass inherits these fields. The
+    rarely-set ones come grouped (`Timeouts`, `Tuning`); a 0.1 flat name fails with
+    a `TypeError` saying where it moved (`asyncwt._core.config.MOVED`).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        refuse_moved(cls.__name__, kwargs)
+        return super().__new__(cls)
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Size of one bucket: the unit of transfer and of staging memory."""
     num_buffers: int = 2
     """Buckets in flight on each side; staging memory is at most num_buffers × bucket_bytes."""
-    alignment: int = DEFAULT_ALIGNMENT
-    """Alignment of each slice inside a receive buffer."""
-    zero_copy: bool = True
-    """Send contiguous CPU tensors in place instead of packing them (transports that can)."""
-    read_ahead: int = 4
-    """Buckets the source may be iterated ahead of the pack stage. A gathering source
-    (FSDP2) keeps about `num_buffers + read_ahead + 2` buckets of gathered tensors
-    alive on rank 0; fewer makes a slow gather stall sooner behind the wire."""
     device: str | None = None
     """Device for lanes and staging. `None` follows the source's tensors (a CPU model
     stays on the CPU, and a torch_dist trainer on gloo, even on a GPU host); a bare
     `"cuda"` is the current CUDA device of the thread that calls `trainer_init`."""
-    connect_timeout: float = 60.0
-    """Seconds for init: the workers connecting and passing the handshake (sent to
-    workers, which bound their own connect and handshake by it)."""
-    send_timeout: float = 300.0
-    """Seconds for one bucket to be taken by every worker."""
-    ready_timeout: float = 300.0
-    """Seconds for every worker to start receiving a round."""
-    recv_timeout: float = 300.0
-    """Seconds a worker waits for the next bucket before it gives up (sent to workers)."""
-    drain_timeout: float = 300.0
-    """Seconds a worker waits for its background apply to finish, at
-    `finish_weight_update` and before a new round or init (sent to workers). Past it
-    the round fails with an `ApplyError` naming the stuck bucket: a transform or
-    `load_weights` that never returns."""
-    rpc_timeout: float = 600.0
-    """Seconds one control-plane call may take: `init_weight_transfer_engine`,
-    `start_weight_update`, `finish_weight_update` (which includes the worker's drain,
-    so keep it above `drain_timeout`), and `update_weights` once the last bucket or
-    the abort was sent (while data flows, the data-plane timeouts bound the round).
-    A call still running past it is abandoned (a synchronous client's thread keeps
-    running in the background until the worker answers) and the round fails with a
-    `ControlPlaneError`."""
-
     partial: bool = False
     """Opt in to updating only part of the workers' models: the parameters the
     source yields are sent, and a worker keeps its own values of the others (its
     `weights_status` names them in `untouched_params`). Without it, a worker whose
     model has parameters the trainer never sends refuses the init, naming them:
     a version published with some weights stale is otherwise silent."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    """Every deadline of init and of a round (`Timeouts`)."""
+    tuning: Tuning = field(default_factory=Tuning)
+    """Rarely-set pipeline knobs: alignment, zero-copy sends, read-ahead (`Tuning`)."""
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
         check_bool("partial", self.partial)
-        for name in ("bucket_bytes", "num_buffers", "alignment", "read_ahead"):
+        for name in ("bucket_bytes", "num_buffers"):
             check_positive(name, getattr(self, name))
-        for name in ("num_buffers", "read_ahead"):
-            check_at_most(name, getattr(self, name), MAX_NUM_BUFFERS)
-        for name in _TIMEOUTS:
-            check_timeout(name, getattr(self, name))
-        check_bool("zero_copy", self.zero_copy)
+        check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
+        check_group("timeouts", self.timeouts, Timeouts)
+        check_group("tuning", self.tuning, Tuning)
+        check_modes(self.modes())
+
+    def modes(self) -> dict[str, Mode]:
+        """The fleet modes these settings choose, by setting (`asyncwt._core.modes`):
+        each backend adds the ones it has."""
+        return {}
 
     def round_choices(self) -> RoundChoices:
         """What a round plan is built from: who sends, by which route, with which codec
@@ -131,9 +105,9 @@ class PipelineSettings:
         """The settings every worker receives at init (besides the plan)."""
         return {
             "num_buffers": self.num_buffers,
-            "connect_timeout": self.connect_timeout,
-            "recv_timeout": self.recv_timeout,
-            "drain_timeout": self.drain_timeout,
+            "connect_timeout": self.timeouts.connect,
+            "recv_timeout": self.timeouts.recv,
+            "drain_timeout": self.timeouts.drain,
             "partial": self.partial,
         }
 

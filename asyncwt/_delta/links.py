@@ -26,7 +26,7 @@ from .._core.concurrency import single_error
 from .._core.plan import Bucket
 from .._transports.base import InitWorkers, Segment, SenderTransport, Settle
 from .._transports.link import LinkedSender, Peer
-from .._transports.link_settings import LinkedTrainerInfo
+from .._transports.link_settings import SendersAndDelta
 from .._transports.wire import FrameKind
 from .codec import Encoding
 from .sender import DeltaSender
@@ -35,20 +35,21 @@ __all__ = ["DeltaLinks", "delta_sender"]
 
 
 def delta_sender(transport: SenderTransport, info: object) -> DeltaLinks:
-    """`transport` sending delta rounds as `info` (a `LinkedTrainerInfo`) asks for
-    them: its delta settings are read here only. `transport` must be a linked
+    """`transport` sending delta rounds as `info.delta` (a `Delta`) asks for them:
+    its delta settings are read here only. `transport` must be a linked
     sender that can send a bucket to some of its workers (tcp's star, shm)."""
-    if not isinstance(info, LinkedTrainerInfo):
+    if not isinstance(info, SendersAndDelta) or info.delta_settings is None:
         raise TypeError(
-            f"info should be a LinkedTrainerInfo (a backend over the trainer's links), "
-            f"got {type(info).__name__}"
+            f"info should be the settings of a backend with delta rounds (tcp, shm) and a "
+            f"Delta in info.delta, got {type(info).__name__}"
         )
+    delta = info.delta_settings
     if not isinstance(transport, LinkedSender):
         raise ValueError(
             f"delta should be False for a {type(transport).__name__} (delta rounds go "
             f"over the trainer's links: tcp's star or shm), got True"
         )
-    return DeltaLinks(transport, full_every=info.delta_full_every, policy=info.delta_policy)
+    return DeltaLinks(transport, full_every=delta.full_every, policy=delta.policy)
 
 
 class DeltaLinks(SenderTransport):

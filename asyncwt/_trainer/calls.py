@@ -27,9 +27,9 @@ async def bounded_call(
         await call_client(client, method, *args, **kwargs)
     if scope.cancelled_caught:
         raise ControlPlaneError(
-            f"{where}: {method} did not return within rpc_timeout={timeout}s; the call was "
+            f"{where}: {method} did not return within timeouts.rpc={timeout}s; the call was "
             f"abandoned (a worker stalled or unreachable?). Check the workers; raise "
-            f"rpc_timeout if they are only slow (it must exceed drain_timeout)"
+            f"timeouts.rpc if they are only slow (it must exceed timeouts.drain)"
         )
 
 

@@ -91,8 +91,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         self._pool = StagingPool(settings.num_buffers, settings.bucket_bytes, device)
         self._pipeline = PipelineConfig(
             num_buffers=settings.num_buffers,
-            zero_copy=settings.zero_copy,
-            read_ahead=settings.read_ahead,
+            zero_copy=settings.tuning.zero_copy,
+            read_ahead=settings.tuning.read_ahead,
         )
         owned = set(source.owned_names(info.rank))
         self._expected = [i for i, m in enumerate(plan.params) if m.name in owned]
@@ -141,7 +141,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     client,
                     "init_weight_transfer_engine",
                     info,
-                    timeout=settings.rpc_timeout,
+                    timeout=settings.timeouts.rpc,
                     where="trainer_init",
                 )
 
@@ -215,7 +215,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         Every wait is bounded (see `PipelineSettings`): a dead or stalled worker ends
         the round with a `TransferError` (`TransferTimeoutError` for a timeout) or a
-        `ControlPlaneError` (a worker's error, or an RPC past `rpc_timeout`), whose
+        `ControlPlaneError` (a worker's error, or an RPC past `timeouts.rpc`), whose
         message names the round and says whether a new `trainer_init` is needed.
 
         Cancellation: the round is aborted on every worker (their `update_weights`
@@ -223,7 +223,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         iterate thread stops at its next tensor; the next round starts clean. If
         `start_weight_update` had not returned yet (the first gathers run during
         it), there is nothing to abort: no `update_weights` was issued. A
-        bucket already being written finishes first (bounded by `send_timeout`). A
+        bucket already being written finishes first (bounded by `timeouts.send`). A
         cancellation during `finish_weight_update` cannot be taken back: the
         workers may still publish the round, which arrived completely.
         """
@@ -258,7 +258,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                         self.transport, round_id, weight_version, fence, progress
                     )
                 except BaseException:
-                    await round_failed(self.client, self.info.rpc_timeout)
+                    await round_failed(self.client, self.info.timeouts.rpc)
                     raise
             else:  # a rank sending its share of the round over its own links
                 transport = self.transport
@@ -288,7 +288,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         READY) run concurrently with the pipeline's iterate stage, which may gather
         a few buckets ahead; nothing is packed or sent until the round is open.
         """
-        rpc_timeout = self.info.rpc_timeout
+        rpc_timeout = self.info.timeouts.rpc
         where = f"round {round_id}"
         update_info = {
             "round_id": round_id,
@@ -354,7 +354,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                     failed = True
                     raise ControlPlaneError(
                         f"round {round_id}: every bucket was sent but update_weights did not "
-                        f"return within rpc_timeout={rpc_timeout}s (a worker stalled, or its "
+                        f"return within timeouts.rpc={rpc_timeout}s (a worker stalled, or its "
                         f"control plane is unreachable); nothing was published. Check the "
                         f"workers, then send again (or trainer_init again if the data plane "
                         f"broke)"

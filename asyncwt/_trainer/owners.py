@@ -158,7 +158,7 @@ class OwnerRanks(SenderSide):
         round_plan = build_round_plan(
             source.metadata,
             bucket_bytes=info.bucket_bytes,
-            alignment=info.alignment,
+            alignment=info.tuning.alignment,
             choices=choices,
             world_size=_world(rank),
         )

@@ -62,7 +62,7 @@ class PipelineConfig:
     """Send contiguous CPU tensors in place instead of packing them."""
     read_ahead: int = 4
     """Buckets the iterate stage may run ahead of the pack stage
-    (`PipelineSettings.read_ahead`)."""
+    (`Tuning.read_ahead`)."""
 
 
 class StagingPool:

@@ -69,7 +69,7 @@ def _plan_from(info: Any, source: WeightSource, choices: RoundChoices, world: in
     return build_round_plan(
         source.metadata,
         bucket_bytes=info.bucket_bytes,
-        alignment=info.alignment,
+        alignment=info.tuning.alignment,
         choices=choices,
         world_size=world,
     )

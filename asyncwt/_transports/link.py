@@ -330,7 +330,7 @@ class TrainerLinks:
             peer.close(f"timed out sending {what}")
             raise TransferTimeoutError(
                 f"round {self.round_id}: worker {peer.address} did not take {what} within "
-                f"send_timeout={timeout}s"
+                f"timeouts.send={timeout}s"
             )
 
     async def send_header(self, peer: Peer, frame: Frame, what: str) -> None:
@@ -420,7 +420,7 @@ class TrainerLinks:
             peer.close("did not start receiving")
             raise TransferTimeoutError(
                 f"round {round_id}: worker {peer.address} did not start receiving within "
-                f"ready_timeout={timeout}s (is its update_weights call running?); its "
+                f"timeouts.ready={timeout}s (is its update_weights call running?); its "
                 f"connection is closed: call trainer_init again to reconnect"
             ) from None
         except TransferError as exc:

@@ -37,7 +37,7 @@ class WorkerActor:
     `RoundDriver`: a call out of order, for another round or from another trainer
     is refused with a `RoundConflictError`; a version is published only by the
     finish that closes a round that fully succeeded. The weights arrive on the
-    engine's transport (the trainer's `advertise_host` for tcp), never through Ray's
+    engine's transport (the trainer's `Listen.advertise_host` for tcp), never through Ray's
     object store.
 
     Args:

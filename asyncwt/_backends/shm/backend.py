@@ -65,7 +65,7 @@ from ..._transports.base import (
     Settle,
 )
 from ..._transports.link import Peer, WorkerLink
-from ..._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..._transports.link_settings import LinkedWorkerInfo, SendersAndDelta
 from ..._transports.pool import ReceivePool
 from ..._transports.sockio import recv_exact
 from ..._transports.wire import Frame, FrameKind
@@ -90,8 +90,8 @@ _CREATED_HERE: set[str] = set()
 """Segments this process created (and its resource tracker rightly tracks)."""
 
 
-@dataclass
-class ShmTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+@dataclass(kw_only=True)
+class ShmTrainerInitInfo(SendersAndDelta, TrainerInitInfo):
     """Trainer-side settings of the `"shm"` backend (trainer and workers on one host)."""
 
     backend: ClassVar[str] = "shm"

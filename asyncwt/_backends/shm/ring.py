@@ -46,7 +46,7 @@ class RingSender(LinkedSender):
 
     def __init__(self, info: LinkedTrainerInfo, plan: TransferPlan) -> None:
         super().__init__(info.link_settings(), plan)
-        self.release_timeout = info.send_timeout
+        self.release_timeout = info.timeouts.send
         self.buffers: list[torch.Tensor] = []
         self.pending: list[set[Peer]] = []
         """Per ring slot, the workers that still read what it holds."""

@@ -72,7 +72,7 @@ class FleetSender(TcpSender):
         await self._read_listings(self.links.peers)
 
     def _fields(self, worker_fields: dict[str, Any]) -> dict[str, Any]:
-        return {**worker_fields, "topology": self.info.topology}
+        return {**worker_fields, "topology": self.info.fanout.name}
 
     async def admit(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> list[Peer]:
         """Admit workers that were not there at init (a rendezvous of their own on a new
@@ -113,7 +113,7 @@ class FleetSender(TcpSender):
                 peer.close("sent no LISTEN")
                 raise TransferError(
                     f"worker {peer.address} did not announce itself within "
-                    f"handshake_timeout={timeout}s (is it an older asyncwt?)"
+                    f"timeouts.handshake={timeout}s (is it an older asyncwt?)"
                 ) from None
             except (TransferError, UnicodeDecodeError) as exc:
                 peer.close(str(exc))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..._core.config import Chain, Star, check_group
+from ..._core.modes import Mode
 from ..._core.round_plan import RoundChoices
 from ..._core.settings import RoundUpdateInfo
 from ..._core.trainer_api import TrainerInitInfo
-from ..._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
+from ..._transports.link_settings import LinkedWorkerInfo, SendersAndDelta
 
 __all__ = ["TcpTrainerInitInfo", "TcpUpdateInfo", "TcpWorkerInitInfo"]
 
@@ -24,45 +26,45 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} should be one of {list(choices)}, got {value!r}")
 
 
-@dataclass
-class TcpTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
+@dataclass(kw_only=True)
+class TcpTrainerInitInfo(SendersAndDelta, TrainerInitInfo):
     """Trainer-side settings of the `"tcp"` backend: rank 0 listens, workers connect,
-    and every bucket streams to the workers over their connections."""
+    and every bucket streams to the workers over their connections.
+
+    Usage:
+
+        asyncwt.TcpTrainerInitInfo(
+            rank=0, listen=asyncwt.Listen(host="0.0.0.0"), fanout=asyncwt.Chain()
+        )
+    """
 
     backend: ClassVar[str] = "tcp"
 
-    topology: str = "star"
-    """How the bytes reach the workers. `"star"`: the trainer sends every bucket to
-    every worker over its own connection (the trainer's link carries the model once
-    per worker). `"chain"`: the trainer sends each byte once, to the first worker;
-    each worker forwards what it receives to the next as it arrives, while it applies
-    it (the trainer's link carries the model once whatever the number of workers).
-    See `asyncwt._backends.tcp.relay`."""
+    fanout: Star | Chain = field(default_factory=Star)
+    """How the bytes reach the workers: `Star()` (the trainer sends to each worker)
+    or `Chain()` (each worker forwards to the next)."""
     on_worker_failure: str = "fail"
     """What a worker that dies mid-round does to the round. `"fail"`: the round fails
     everywhere and no worker publishes. `"drop"`: the worker is cut out, the round
     runs again on the survivors, who publish; `RoundStats.dropped` names it."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_choice("topology", self.topology, TOPOLOGIES)
+        # Own fields first: the base's mode check (`modes()`) reads them.
+        check_group("fanout", self.fanout, (Star, Chain))
         _check_choice("on_worker_failure", self.on_worker_failure, FAILURE_POLICIES)
-        if self.delta and self.tracks_members:
-            raise ValueError(
-                f"delta should be False with topology={self.topology!r} and "
-                f"on_worker_failure={self.on_worker_failure!r} (delta rounds need the "
-                f"untracked star: topology='star', on_worker_failure='fail'), got True"
-            )
-        if self.senders == "owners" and self.on_worker_failure == "drop":
-            raise ValueError(
-                "on_worker_failure should be 'fail' with senders='owners' (a dropped "
-                "worker's round runs again on rank 0 alone), got 'drop'"
-            )
+        super().__post_init__()
+
+    def modes(self) -> dict[str, Mode]:
+        return {
+            **super().modes(),
+            "fanout": Mode(self.fanout.name, repr(self.fanout)),
+            "on_worker_failure": Mode(self.on_worker_failure, repr(self.on_worker_failure)),
+        }
 
     def round_choices(self) -> RoundChoices:
         return dataclasses.replace(
             super().round_choices(),
-            route="chain" if self.topology == "chain" else "star",
+            route="chain" if isinstance(self.fanout, Chain) else "star",
             on_worker_failure="drop" if self.on_worker_failure == "drop" else "fail",
         )
 
@@ -70,7 +72,7 @@ class TcpTrainerInitInfo(LinkedTrainerInfo, TrainerInitInfo):
     def tracks_members(self) -> bool:
         """Whether each worker is addressed on its own (its control calls and its data
         connection paired): a chain routes by member, and dropping needs the pairing."""
-        return self.topology == "chain" or self.on_worker_failure == "drop"
+        return isinstance(self.fanout, Chain) or self.on_worker_failure == "drop"
 
 
 @dataclass

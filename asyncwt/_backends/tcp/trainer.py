@@ -39,7 +39,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
     receives every bucket over its own connection, all concurrently (`"star"`), or
     the trainer sends each bucket once and the workers pass it on (`"chain"`).
 
-    With `topology="chain"` or `on_worker_failure="drop"` the workers are tracked
+    With `fanout=Chain()` or `on_worker_failure="drop"` the workers are tracked
     one by one (the client is split per worker where it can be, see `Members`):
     a worker that dies mid-round is dropped and the round runs again on the
     survivors (`"drop"`), and `add_workers` admits new ones between rounds.
@@ -57,7 +57,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         cls, info: TcpTrainerInitInfo, plan: TransferPlan, device: torch.device
     ) -> SenderTransport:
         if info.tracks_members:
-            return SENDERS[info.topology](info, plan)
+            return SENDERS[info.fanout.name](info, plan)
         return TcpSender(info, plan)
 
     @classmethod
@@ -121,7 +121,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                     weight_version=weight_version, after=fence, progress=progress, join=join
                 )
             except (TransferError, ControlPlaneError) as exc:
-                lost = await transport.find_lost(min(1.0, self.info.ready_timeout))
+                lost = await transport.find_lost(min(1.0, self.info.timeouts.ready))
                 if not lost:  # stalled: its start (or finish) went unanswered
                     stalled = members.unanswered
                     lost = [p for p, seen in transport.listings.items() if seen.member in stalled]
@@ -150,14 +150,14 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
         (a new engine, or one restarted); they receive the full weights from the next
         round on while the others carry on. Returns how many connected.
 
-        Needs a tracked fleet (`topology="chain"` or `on_worker_failure="drop"`) and
+        Needs a tracked fleet (`fanout=Chain()` or `on_worker_failure="drop"`) and
         no round running. Cancellation or failure: nothing is admitted.
         """
         fleet = self._fleet()
         if fleet is None:
             raise ValueError(
-                "add_workers needs a tracked fleet: topology='chain' or "
-                f"on_worker_failure='drop' (got topology={self.info.topology!r}, "
+                "add_workers needs a tracked fleet: fanout=Chain() or "
+                f"on_worker_failure='drop' (got fanout={self.info.fanout!r}, "
                 f"on_worker_failure={self.info.on_worker_failure!r})"
             )
         if self._busy:
@@ -172,7 +172,7 @@ class TcpTrainerEngine(PipelinedTrainerEngine[TcpTrainerInitInfo]):
                 "init_members",
                 init_info,
                 numbers,
-                timeout=self.info.rpc_timeout,
+                timeout=self.info.timeouts.rpc,
                 where="add_workers",
             )
 

@@ -138,7 +138,8 @@ async def _run_job(
     flipped: bool,
 ) -> tuple[dict[str, Any], bool]:
     """Warm-up + timed rounds to `job["urls"]`; (record, whether the model ends negated)."""
-    from ... import HttpClient, ModuleSource, TcpTrainerInitInfo, trainer_init
+    from ... import HttpClient, Listen, ModuleSource, TcpTrainerInitInfo, trainer_init
+    from ..._core.config import FANOUTS
     from ..._worker.server import API_KEY_ENV
     from .._cpu import CpuMeter, machine_cpu_s, median_cores
 
@@ -153,8 +154,9 @@ async def _run_job(
     async with HttpClient(job["urls"], timeout=900.0, api_key=api_key) as client:
         try:
             info = TcpTrainerInitInfo(
-                rank=rank, host=trainer_host, bucket_bytes=bucket_bytes, num_buffers=num_buffers,
-                senders=job.get("senders", "rank0"), topology=job.get("topology", "star"),
+                rank=rank, listen=Listen(host=trainer_host), bucket_bytes=bucket_bytes,
+                num_buffers=num_buffers, senders=job.get("senders", "rank0"),
+                fanout=FANOUTS[job.get("topology", "star")](),
             )  # fmt: skip
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             try:

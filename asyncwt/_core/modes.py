@@ -1,0 +1,89 @@
+"""The fleet modes that do not work together, as data, checked at construction.
+
+A trainer init info describes its modes as `{setting: Mode}` (`modes()`: only the
+settings its backend has). `check_modes` refuses the first pair that `REFUSED`
+lists, naming both settings and their values. A combination a backend cannot
+express (a field it does not have) needs no rule: its type makes it impossible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["REFUSED", "Mode", "Refusal", "check_modes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """One setting's mode: the key the rules match, and the value as the user wrote it."""
+
+    key: str
+    shown: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """`first` in mode `first_key` cannot run together with `second` in `second_key`."""
+
+    first: str
+    first_key: str
+    second: str
+    second_key: str
+    reason: str
+
+
+REFUSED: tuple[Refusal, ...] = (
+    Refusal(
+        "delta",
+        "on",
+        "fanout",
+        "chain",
+        "a relay forwards the bytes it receives, and delta rounds are sent by rank 0 "
+        "to every worker directly (fanout=Star())",
+    ),
+    Refusal(
+        "delta",
+        "on",
+        "on_worker_failure",
+        "drop",
+        "a delta round needs every worker to hold the previous round, which a dropped "
+        "and rejoined worker does not (on_worker_failure='fail')",
+    ),
+    Refusal(
+        "senders",
+        "owners",
+        "delta",
+        "on",
+        "delta rounds are encoded from rank 0's full tensors (senders='rank0')",
+    ),
+    Refusal(
+        "senders",
+        "owners",
+        "fanout",
+        "chain",
+        "each owner rank sends to every worker directly (fanout=Star())",
+    ),
+    Refusal(
+        "senders",
+        "owners",
+        "on_worker_failure",
+        "drop",
+        "a dropped worker's round would run again on rank 0 alone, which holds only its "
+        "own shards (on_worker_failure='fail')",
+    ),
+)
+"""Every refused pair of modes (delta, senders, fanout, on_worker_failure)."""
+
+
+def check_modes(modes: Mapping[str, Mode]) -> None:
+    """Raise `ValueError` on the first pair of `modes` that `REFUSED` lists."""
+    for rule in REFUSED:
+        first, second = modes.get(rule.first), modes.get(rule.second)
+        if first is None or second is None:
+            continue
+        if first.key == rule.first_key and second.key == rule.second_key:
+            raise ValueError(
+                f"{rule.first}={first.shown} cannot be combined with "
+                f"{rule.second}={second.shown}: {rule.reason}; change one of them"
+            )
