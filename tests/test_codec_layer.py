@@ -127,7 +127,7 @@ def test_ready_carries_a_held_value_only_once_a_layer_accepts_it() -> None:
 
 def test_delta_wraps_only_linked_transports_naming_the_setting() -> None:
     with pytest.raises(ValueError, match=r"delta should be False for a object .*got True"):
-        delta_sender(cast(Any, object()), TcpTrainerInitInfo(rank=0))
+        delta_sender(cast(Any, object()), TcpTrainerInitInfo(rank=0, delta=True))
     with pytest.raises(ValueError, match=r"delta should be False for a object .*got True"):
         delta_receiver(cast(Any, object()), _plan())
 

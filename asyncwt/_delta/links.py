@@ -38,17 +38,17 @@ def delta_sender(transport: SenderTransport, info: object) -> DeltaLinks:
     """`transport` sending delta rounds as `info.delta` (a `Delta`) asks for them:
     its delta settings are read here only. `transport` must be a linked
     sender that can send a bucket to some of its workers (tcp's star, shm)."""
+    if not isinstance(transport, LinkedSender):
+        raise ValueError(
+            f"delta should be False for a {type(transport).__name__} (delta rounds go "
+            f"over the trainer's links: tcp's star or shm), got True"
+        )
     if not isinstance(info, SendersAndDelta) or info.delta_settings is None:
         raise TypeError(
             f"info should be the settings of a backend with delta rounds (tcp, shm) and a "
             f"Delta in info.delta, got {type(info).__name__}"
         )
     delta = info.delta_settings
-    if not isinstance(transport, LinkedSender):
-        raise ValueError(
-            f"delta should be False for a {type(transport).__name__} (delta rounds go "
-            f"over the trainer's links: tcp's star or shm), got True"
-        )
     return DeltaLinks(transport, full_every=delta.full_every, policy=delta.policy)
 
 
