@@ -28,10 +28,10 @@ import torch
 from .._core.errors import SourceMismatchError, TransferError
 from .._core.meta import ParamMeta
 from .._core.owners import OwnersLayout, pieces_by_param
-from .._core.round_plan import RoundChoices, build_round_plan
+from .._core.round_plan import RoundChoices
 from .._core.source import WeightSource
 from .._transports.base import InitWorkers, SenderTransport
-from .senders import SenderSide
+from .senders import SenderSide, round_plan_for
 
 __all__ = ["OwnerRanks", "ShareSource"]
 
@@ -155,13 +155,7 @@ class OwnerRanks(SenderSide):
                 f"sends each rank's local shards), got {type(source).__name__}"
             )
         rank = info.rank
-        round_plan = build_round_plan(
-            source.metadata,
-            bucket_bytes=info.bucket_bytes,
-            alignment=info.tuning.alignment,
-            choices=choices,
-            world_size=_world(rank),
-        )
+        round_plan = round_plan_for(info, source, choices, _world(rank))
         assert round_plan.layout is not None
         return cls(round_plan, ShareSource(source, round_plan.layout, rank), rank)
 

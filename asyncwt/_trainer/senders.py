@@ -22,7 +22,7 @@ from .._core.round_plan import RoundChoices, RoundPlan, build_round_plan
 from .._core.source import WeightSource
 from .._transports.base import InitWorkers, SenderTransport
 
-__all__ = ["RankZero", "SenderSide", "share_round"]
+__all__ = ["RankZero", "SenderSide", "round_plan_for", "share_round"]
 
 
 class SenderSide(ABC):
@@ -65,7 +65,8 @@ class SenderSide(ABC):
         """
 
 
-def _plan_from(info: Any, source: WeightSource, choices: RoundChoices, world: int) -> RoundPlan:
+def round_plan_for(info: Any, source: WeightSource, choices: RoundChoices, world: int) -> RoundPlan:
+    """The round plan `info`'s settings choose for `source`'s parameters over `world` ranks."""
     return build_round_plan(
         source.metadata,
         bucket_bytes=info.bucket_bytes,
@@ -86,7 +87,7 @@ class RankZero(SenderSide):
                 f"source should be a WeightSource implementing iter_full (rank 0 sends full "
                 f"tensors), got {type(source).__name__}"
             )
-        round_plan = _plan_from(info, source, choices, 1)
+        round_plan = round_plan_for(info, source, choices, 1)
         if info.is_sender:
             owned = set(source.owned_names(0))
             for meta in round_plan.plan.params:
