@@ -147,9 +147,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
             def make_transport() -> SenderTransport:
                 transport = cls.make_transport(init_info, engine.plan, device)
-                if choices.codec == "delta":  # a layer around the backend's sender
+                if choices.codec != "delta":
+                    return transport
+                try:  # a layer around the backend's sender
                     return delta_sender(transport, init_info)
-                return transport
+                except BaseException:
+                    transport.close()  # the backend's listener would outlive the init
+                    raise
 
             engine.transport = await side.open(
                 make_transport,
