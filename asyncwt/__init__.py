@@ -81,11 +81,11 @@ if _typing.TYPE_CHECKING:
     from ._backends.shm.backend import ShmTrainerInitInfo as ShmTrainerInitInfo
     from ._backends.shm.backend import ShmWorkerEngine as ShmWorkerEngine
     from ._backends.shm.backend import ShmWorkerInitInfo as ShmWorkerInitInfo
+    from ._backends.tcp.backend import TcpTrainerEngine as TcpTrainerEngine
+    from ._backends.tcp.backend import TcpWorkerEngine as TcpWorkerEngine
     from ._backends.tcp.settings import TcpTrainerInitInfo as TcpTrainerInitInfo
     from ._backends.tcp.settings import TcpUpdateInfo as TcpUpdateInfo
     from ._backends.tcp.settings import TcpWorkerInitInfo as TcpWorkerInitInfo
-    from ._backends.tcp.trainer import TcpTrainerEngine as TcpTrainerEngine
-    from ._backends.tcp.worker import TcpWorkerEngine as TcpWorkerEngine
     from ._backends.torch_dist import TorchDistTrainerEngine as TorchDistTrainerEngine
     from ._backends.torch_dist import TorchDistTrainerInitInfo as TorchDistTrainerInitInfo
     from ._backends.torch_dist import TorchDistWorkerEngine as TorchDistWorkerEngine
@@ -100,10 +100,10 @@ _LAZY: dict[str, str] = {
     "ShmTrainerInitInfo": "asyncwt._backends.shm.backend",
     "ShmWorkerEngine": "asyncwt._backends.shm.backend",
     "ShmWorkerInitInfo": "asyncwt._backends.shm.backend",
-    "TcpTrainerEngine": "asyncwt._backends.tcp.trainer",
+    "TcpTrainerEngine": "asyncwt._backends.tcp.backend",
     "TcpTrainerInitInfo": "asyncwt._backends.tcp.settings",
     "TcpUpdateInfo": "asyncwt._backends.tcp.settings",
-    "TcpWorkerEngine": "asyncwt._backends.tcp.worker",
+    "TcpWorkerEngine": "asyncwt._backends.tcp.backend",
     "TcpWorkerInitInfo": "asyncwt._backends.tcp.settings",
     "TorchDistTrainerEngine": "asyncwt._backends.torch_dist",
     "TorchDistTrainerInitInfo": "asyncwt._backends.torch_dist",

@@ -50,9 +50,10 @@ from asyncwt import (
     model_checksum,
     trainer_init,
 )
+from asyncwt._backends.tcp.backend import TcpTrainerEngine
 from asyncwt._backends.tcp.chain import ChainSender
+from asyncwt._backends.tcp.fleet import TcpFleet
 from asyncwt._backends.tcp.members import Members
-from asyncwt._backends.tcp.trainer import TcpTrainerEngine
 from asyncwt._core.registry import create_worker_engine
 from asyncwt._core.worker_api import WeightTransferEngine
 
@@ -142,10 +143,16 @@ def chain_info(timeouts: Timeouts | None = None, **kwargs: object) -> TcpTrainer
     return info
 
 
-def chain_of(engine: TcpTrainerEngine) -> list[str]:
+def members_of(engine: Any) -> Members:
+    """The engine's workers one by one, as its tcp fleet layer tracks them."""
+    assert isinstance(engine.fleet, TcpFleet)
+    return engine.fleet.members
+
+
+def chain_of(engine: Any) -> list[str]:
     """The workers' URLs in chain order."""
-    sender, members = engine.transport, engine.members
-    assert isinstance(sender, ChainSender) and members is not None
+    sender, members = engine.transport, members_of(engine)
+    assert isinstance(sender, ChainSender)
     return [members.label(sender.listings[peer].member) for peer in sender.links.peers]
 
 
@@ -415,7 +422,7 @@ async def test_a_worker_forwards_what_it_received_not_what_its_transform_made() 
         engine = await trainer_init(chain_info(), client=client, source=FaultySource(model))
         async with engine:
             assert isinstance(engine, TcpTrainerEngine)
-            members, sender = engine.members, engine.transport
+            members, sender = members_of(engine), engine.transport
             assert isinstance(members, Members) and isinstance(sender, ChainSender)
 
             def engine_of(peer: Any, members: Members = members, sender: Any = sender) -> Any:

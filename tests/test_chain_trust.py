@@ -33,8 +33,8 @@ from asyncwt import (
     trainer_init,
 )
 from asyncwt._backends.tcp.admission import MAX_PENDING, Admission
+from asyncwt._backends.tcp.backend import TcpTrainerEngine
 from asyncwt._backends.tcp.chain import ChainSender
-from asyncwt._backends.tcp.trainer import TcpTrainerEngine
 from asyncwt._transports.sockio import recv_exact
 from asyncwt._transports.wire import (
     CHALLENGE_SIZE,

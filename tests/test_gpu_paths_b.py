@@ -9,6 +9,7 @@ itself is checked on a GPU by `scripts/_gpu_checks/findings_8_14.py` (`scripts/g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
@@ -32,13 +33,14 @@ from asyncwt import (
 )
 from asyncwt._backends import cuda_ipc, torch_dist
 from asyncwt._backends.shm import backend as shm_backend
+from asyncwt._backends.tcp.backend import TCP
 from asyncwt._core import checksum, cuda_sync
 from asyncwt._core.errors import TransferError
 from asyncwt._core.lanes import DeviceLane
 from asyncwt._core.plan import Slice, TransferPlan
 from asyncwt._delta.codec import encode, unit_of
 from asyncwt._trainer import pipeline
-from asyncwt._trainer.engine import PipelinedTrainerEngine
+from asyncwt._trainer.engine import PipelinedTrainerEngine, trainer_engine_class
 from asyncwt._trainer.pipeline import PipelineConfig, StagingPool, run_pipeline
 from asyncwt._transports.base import ReceivedBucket, SenderTransport
 from asyncwt._worker import delta as delta_receiver
@@ -387,14 +389,8 @@ class _Transport(SenderTransport):
 
 
 def _engine_class(transport: SenderTransport) -> type[PipelinedTrainerEngine[Any]]:
-    class Engine(PipelinedTrainerEngine[Any]):
-        init_info_cls = TcpTrainerInitInfo
-
-        @classmethod
-        def make_transport(cls, info: Any, plan: TransferPlan, device: Any) -> SenderTransport:
-            return transport
-
-    return Engine
+    backend = dataclasses.replace(TCP, sender=lambda info, plan, device: transport, fleet=None)
+    return trainer_engine_class(backend, name="Engine", module=__name__)
 
 
 @pytest.fixture

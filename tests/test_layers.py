@@ -204,3 +204,44 @@ def test_the_checks_find_every_kind_of_import(tmp_path: Path) -> None:
     }
     with pytest.raises(AssertionError, match=r"module cycles: \['pkg._core.a <-> pkg._trainer.b"):
         _check("module", cycles(toy))
+
+
+ENGINE_BASES = {
+    "PipelinedTrainerEngine",
+    "DeferredWorkerEngine",
+    "TrainerWeightTransferEngine",
+    "WeightTransferEngine",
+}
+
+
+def engine_subclasses(tree: ast.Module) -> list[str]:
+    """Classes in `tree` that name an engine class among their bases."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                target = base.value if isinstance(base, ast.Subscript) else base
+                name = (
+                    target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                )
+                if name in ENGINE_BASES:
+                    found.append(f"{node.name}({name})")
+    return found
+
+
+def test_no_backend_subclasses_an_engine() -> None:
+    """A backend hands the engines a `TransportBackend`; the engines take its transport."""
+    offenders = {
+        name: engine_subclasses(ast.parse(path.read_text()))
+        for name, path in modules(ROOT, PACKAGE).items()
+        if name.startswith("asyncwt._backends")
+    }
+    offenders = {name: found for name, found in offenders.items() if found}
+    assert not offenders, f"backend modules subclassing an engine: {offenders}"
+    sample = (
+        "class X(PipelinedTrainerEngine[Info]):\n    pass\nclass Y(base.DeferredWorkerEngine): ..."
+    )
+    assert engine_subclasses(ast.parse(sample)) == [
+        "X(PipelinedTrainerEngine)",
+        "Y(DeferredWorkerEngine)",
+    ]

@@ -361,11 +361,11 @@ def test_create_worker_engine_unknown_backend_with_empty_registry_says_none(
 def test_a_lazily_registered_backend_is_imported_when_first_asked_for() -> None:
     _registry.register_lazy(
         "test-registry-lazy",
-        trainer="asyncwt._backends.tcp.trainer:TcpTrainerEngine",
-        worker="asyncwt._backends.tcp.worker:TcpWorkerEngine",
+        trainer="asyncwt._backends.tcp.backend:TcpTrainerEngine",
+        worker="asyncwt._backends.tcp.backend:TcpWorkerEngine",
     )
     assert _registry._WORKER_ENGINES["test-registry-lazy"] == (
-        "asyncwt._backends.tcp.worker:TcpWorkerEngine"
+        "asyncwt._backends.tcp.backend:TcpWorkerEngine"
     )
     assert "test-registry-lazy" in registered_backends()["worker"]
 

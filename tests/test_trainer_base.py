@@ -408,3 +408,13 @@ def test_round_summary_names_wire_bytes_and_dropped_workers_only_when_they_say_s
     delta = dataclasses.replace(full, wire_bytes=1 << 19, dropped=("http://10.0.0.2:8000",))
     assert delta.summary().startswith("round 3 (version v3): 4.0 MiB (0.5 MiB on the wire) in 1")
     assert delta.summary().endswith("; dropped http://10.0.0.2:8000")
+
+
+@pytest.mark.asyncio
+async def test_an_engine_class_without_a_backend_says_how_to_make_one() -> None:
+    """`PipelinedTrainerEngine` takes a transport from a backend; alone it has none."""
+    from asyncwt import TcpTrainerInitInfo
+    from asyncwt._trainer.engine import PipelinedTrainerEngine
+
+    with pytest.raises(TypeError, match=r"has no backend: .*trainer_engine_class\(backend\)"):
+        await PipelinedTrainerEngine.trainer_init(TcpTrainerInitInfo(rank=0), client=object())

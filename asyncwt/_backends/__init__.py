@@ -22,8 +22,8 @@ __all__ = ["BUILT_IN"]
 
 BUILT_IN: dict[str, tuple[str, str]] = {
     "tcp": (
-        "asyncwt._backends.tcp.trainer:TcpTrainerEngine",
-        "asyncwt._backends.tcp.worker:TcpWorkerEngine",
+        "asyncwt._backends.tcp.backend:TcpTrainerEngine",
+        "asyncwt._backends.tcp.backend:TcpWorkerEngine",
     ),
     "shm": (
         "asyncwt._backends.shm.backend:ShmTrainerEngine",

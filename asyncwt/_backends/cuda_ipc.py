@@ -46,11 +46,12 @@ import torch
 from .._core.errors import TransferError
 from .._core.plan import TransferPlan
 from .._core.trainer_api import TrainerInitInfo
-from .._trainer.engine import PipelinedTrainerEngine
-from .._transports.base import ReceiverTransport, SenderTransport
+from .._trainer.engine import trainer_engine_class
+from .._transports.backend import ReceiveContext, TransportBackend
+from .._transports.base import ReceiverTransport
 from .._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .._transports.pool import ReceivePool
-from .._worker.engine import DeferredWorkerEngine
+from .._worker.engine import worker_engine_class
 from .shm.ring import RingReceiver, RingSender
 from .torch_dist import check_gpu_uuid, gpu_uuid
 
@@ -324,27 +325,26 @@ class CudaIpcReceiver(RingReceiver):
         return buffers
 
 
-class CudaIpcTrainerEngine(PipelinedTrainerEngine[CudaIpcTrainerInitInfo]):
-    """Trainer engine of the `"cuda_ipc"` backend (see the module docstring)."""
+def _make_receiver(
+    info: CudaIpcWorkerInitInfo, plan: TransferPlan, ctx: ReceiveContext
+) -> ReceiverTransport:
+    """Applies straight from the mapped ring, or, where a transform or `load_weights`
+    would be given the bucket, from a copy in receive buffers on this worker's
+    device (allocated on the first such bucket)."""
 
-    init_info_cls = CudaIpcTrainerInitInfo
+    def pool() -> ReceivePool:
+        return ctx.receive_pool(info, plan, on_device=True)
 
-    @classmethod
-    def make_transport(
-        cls, info: CudaIpcTrainerInitInfo, plan: TransferPlan, device: torch.device
-    ) -> SenderTransport:
-        return CudaIpcSender(info, plan, device)
+    return CudaIpcReceiver(info, plan, ctx.device, pool)
 
 
-class CudaIpcWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"cuda_ipc"` backend: applies straight from the mapped ring,
-    or, where a transform or `load_weights` would be given the bucket, from a copy in
-    receive buffers on this worker's device (allocated on the first such bucket)."""
+CUDA_IPC = TransportBackend(
+    name="cuda_ipc",
+    trainer_info=CudaIpcTrainerInitInfo,
+    worker_info=CudaIpcWorkerInitInfo,
+    sender=CudaIpcSender,
+    receiver=_make_receiver,
+)
 
-    init_info_cls = CudaIpcWorkerInitInfo
-
-    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        def pool() -> ReceivePool:
-            return self.receive_pool(info, plan, on_device=True)
-
-        return CudaIpcReceiver(info, plan, self.device, pool)
+CudaIpcTrainerEngine = trainer_engine_class(CUDA_IPC, name="CudaIpcTrainerEngine", module=__name__)
+CudaIpcWorkerEngine = worker_engine_class(CUDA_IPC, name="CudaIpcWorkerEngine", module=__name__)

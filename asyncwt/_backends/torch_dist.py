@@ -47,14 +47,14 @@ from .._core.lanes import staging_buffer, wait_for_stream
 from .._core.plan import Bucket, Slice, TransferPlan
 from .._core.trainer_api import TrainerInitInfo
 from .._core.validate import check_int_in, check_port, check_positive, check_str
-from .._trainer.engine import PipelinedTrainerEngine
+from .._trainer.engine import trainer_engine_class
+from .._transports.backend import ReceiveContext, TransportBackend
 from .._transports.base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
     ReceiverTransport,
     Segment,
-    SenderTransport,
     Settle,
 )
 from .._transports.link import LinkedSender, WorkerLink, connect_link
@@ -62,7 +62,7 @@ from .._transports.link_settings import LinkedTrainerInfo, LinkedWorkerInfo
 from .._transports.pool import ReceivePool
 from .._transports.sockio import readable
 from .._transports.wire import Frame, FrameKind
-from .._worker.engine import DeferredWorkerEngine
+from .._worker.engine import worker_engine_class
 from .torch_dist_store import StoreClient, StoreServer, store_digest
 
 __all__ = [
@@ -929,23 +929,25 @@ class TorchDistReceiver(ReceiverTransport):
         self.store = None
 
 
-class TorchDistTrainerEngine(PipelinedTrainerEngine[TorchDistTrainerInitInfo]):
-    """Trainer engine of the `"torch_dist"` backend (see the module docstring)."""
-
-    init_info_cls = TorchDistTrainerInitInfo
-
-    @classmethod
-    def make_transport(
-        cls, info: TorchDistTrainerInitInfo, plan: TransferPlan, device: torch.device
-    ) -> SenderTransport:
-        return TorchDistSender(info, plan, device)
+def _make_receiver(
+    info: TorchDistWorkerInitInfo, plan: TransferPlan, ctx: ReceiveContext
+) -> ReceiverTransport:
+    """Receives by broadcast (into device buffers over NCCL), applies deferred."""
+    pool = ctx.receive_pool(info, plan, on_device=info.group_backend == "nccl")
+    return TorchDistReceiver(info, plan, pool, ctx.device)
 
 
-class TorchDistWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"torch_dist"` backend: receives by broadcast, applies deferred."""
+TORCH_DIST = TransportBackend(
+    name="torch_dist",
+    trainer_info=TorchDistTrainerInitInfo,
+    worker_info=TorchDistWorkerInitInfo,
+    sender=TorchDistSender,
+    receiver=_make_receiver,
+)
 
-    init_info_cls = TorchDistWorkerInitInfo
-
-    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        pool = self.receive_pool(info, plan, on_device=info.group_backend == "nccl")
-        return TorchDistReceiver(info, plan, pool, self.device)
+TorchDistTrainerEngine = trainer_engine_class(
+    TORCH_DIST, name="TorchDistTrainerEngine", module=__name__
+)
+TorchDistWorkerEngine = worker_engine_class(
+    TORCH_DIST, name="TorchDistWorkerEngine", module=__name__
+)

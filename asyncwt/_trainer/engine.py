@@ -1,7 +1,9 @@
 """The pipelined trainer engine: plan, pipeline and round protocol over any transport.
 
-A backend subclasses `PipelinedTrainerEngine`, names its init info class and
-builds its `SenderTransport`; the rest is here, written once.
+A backend is not a subclass: it hands the engine a `TransportBackend` (how to
+make its `SenderTransport`, what round plans it runs, an optional `Fleet` layer),
+and `trainer_engine_class` makes the class users name (`TcpTrainerEngine`) from
+it. The rest is here, written once.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from abc import abstractmethod
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -22,21 +23,21 @@ from .._core.concurrency import single_error
 from .._core.device import resolve_device
 from .._core.errors import ControlPlaneError
 from .._core.lanes import DeviceLane, LaneEvent
-from .._core.plan import TransferPlan
 from .._core.protocol import AnyWeightSyncClient, call_client, round_keywords
-from .._core.round_plan import BackendFeatures, RoundPlan, SendersKind, check_choices
+from .._core.round_plan import RoundPlan, SendersKind, check_choices
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
 from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
 from .._delta.links import delta_sender
+from .._transports.backend import Fleet, TransportBackend, bound_class
 from .._transports.base import SenderTransport
 from .calls import bounded_call, round_failed
 from .owners import OwnerRanks
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
 from .senders import RankZero, SenderSide, share_round
 
-__all__ = ["SENDER_SIDES", "PipelinedTrainerEngine"]
+__all__ = ["SENDER_SIDES", "PipelinedTrainerEngine", "trainer_engine_class"]
 
 SENDER_SIDES: dict[SendersKind, type[SenderSide]] = {"rank0": RankZero, "owners": OwnerRanks}
 """What the engine is handed for each kind of senders a round plan has."""
@@ -63,9 +64,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
     """
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
-    features: ClassVar[BackendFeatures] = BackendFeatures()
-    """The round plans the backend runs (senders, routes, codecs): rank 0, star, raw
-    unless it says more; a plan asking for more is refused at `trainer_init`."""
+    backend: ClassVar[TransportBackend]
+    """The transport this class runs over (see `trainer_engine_class`)."""
 
     def __init__(
         self,
@@ -100,14 +100,11 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         self.trainer_id = secrets.token_hex(16)
         """This engine's id, sent to the workers at init and with every round: a worker
         refuses rounds of any other trainer (a stale one, or a stranger)."""
+        self.fleet: Fleet | None = None
+        """The backend's layer tracking workers one by one, where it has one."""
         self._rounds = 0
         self._busy = False
         self._closed = False
-
-    @classmethod
-    @abstractmethod
-    def make_transport(cls, info: Any, plan: TransferPlan, device: torch.device) -> SenderTransport:
-        """The backend's sending side for rank 0; `device` is the engine's, resolved."""
 
     @classmethod
     async def trainer_init(
@@ -124,44 +121,69 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         Cancellation: everything the transport opened is closed; no engine results.
         """
+        backend = getattr(cls, "backend", None)
+        if backend is None:
+            raise TypeError(
+                f"{cls.__name__} has no backend: make the engine class of one with "
+                f"trainer_engine_class(backend), or use asyncwt.trainer_init"
+            )
         if not isinstance(init_info, cls.init_info_cls):
             raise TypeError(
                 f"init_info should be a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
             )
         settings: PipelineSettings = init_info  # type: ignore[assignment]
         choices = settings.round_choices()
-        check_choices(choices, cls.features, init_info.backend)
+        check_choices(choices, backend.features, init_info.backend)
         side = SENDER_SIDES[choices.senders].build(init_info, source, choices)
         device = resolve_device(settings.device, side.source)
-        engine = cls(init_info, client=client, side=side, device=device)
-        if side.opens_transport(init_info.is_sender):
-
-            async def init_all(info: dict[str, Any]) -> None:
-                await bounded_call(
-                    client,
-                    "init_weight_transfer_engine",
-                    info,
-                    timeout=settings.timeouts.rpc,
-                    where="trainer_init",
-                )
-
-            def make_transport() -> SenderTransport:
-                transport = cls.make_transport(init_info, engine.plan, device)
-                if choices.codec != "delta":
-                    return transport
-                try:  # a layer around the backend's sender
-                    return delta_sender(transport, init_info)
-                except BaseException:
-                    transport.close()  # the backend's listener would outlive the init
-                    raise
-
-            engine.transport = await side.open(
-                make_transport,
-                engine.prepare_staging,
-                engine.worker_init_fields(),
-                init_all,
+        fleet = backend.open_fleet(init_info, client, source) if init_info.is_sender else None
+        try:
+            engine = cls(
+                init_info,
+                client=fleet.client if fleet is not None else client,
+                side=side,
+                device=device,
             )
+            engine.fleet = fleet
+            if side.opens_transport(init_info.is_sender):
+                engine.transport = await engine._open_transport(side, choices.codec)
+                if fleet is not None:
+                    fleet.attach(engine.transport)
+        except BaseException:
+            if fleet is not None:
+                with anyio.CancelScope(shield=True):
+                    await fleet.close()
+            raise
         return engine
+
+    async def _open_transport(self, side: SenderSide, codec: str) -> SenderTransport:
+        """Open this rank's transport (a delta layer around the backend's sender, if
+        the plan's codec says so) and init the workers through it."""
+        info, backend = self.info, self.backend
+        client = self.client
+
+        async def init_all(fields: dict[str, Any]) -> None:
+            await bounded_call(
+                client,
+                "init_weight_transfer_engine",
+                fields,
+                timeout=info.timeouts.rpc,
+                where="trainer_init",
+            )
+
+        def make_transport() -> SenderTransport:
+            transport = backend.sender(info, self.plan, self.device)
+            if codec != "delta":
+                return transport
+            try:  # a layer around the backend's sender
+                return delta_sender(transport, info)
+            except BaseException:
+                transport.close()  # the backend's listener would outlive the init
+                raise
+
+        return await side.open(
+            make_transport, self.prepare_staging, self.worker_init_fields(), init_all
+        )
 
     def prepare_staging(self, transport: SenderTransport) -> None:
         """Allocate (and pin, or register) what rounds pack into, now, in the calling
@@ -231,13 +253,30 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         cancellation during `finish_weight_update` cannot be taken back: the
         workers may still publish the round, which arrived completely.
         """
+        fence = after if after is not None else self.fence()
+
+        async def attempt(fence: LaneEvent) -> RoundStats:
+            return await self._round(weight_version, fence, join=join, progress=progress)
+
+        if self.fleet is not None:  # the fleet decides what a failed try means
+            return await self.fleet.run_round(attempt, fence)
+        return await attempt(fence)
+
+    async def _round(
+        self,
+        weight_version: str | None,
+        fence: LaneEvent,
+        *,
+        join: bool,
+        progress: Progress | None,
+    ) -> RoundStats:
+        """One try of a round (see `send_weights`)."""
         if self._closed:
             raise RuntimeError("send_weights called after shutdown()")
         if self._busy:
             raise RuntimeError(
                 "send_weights is already running on this engine; rounds cannot overlap"
             )
-        fence = after if after is not None else self.fence()
         self._busy = True
         self._rounds += 1
         round_id = self._rounds
@@ -441,13 +480,35 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         """Bytes of a round from every rank together, where several ranks send."""
         return self.round_plan.total_bytes if self.round_plan.layout is not None else None
 
+    async def add_workers(self, client: AnyWeightSyncClient) -> int:
+        """Admit the workers `client` reaches, which were not there at `trainer_init`
+        (a new engine, or one restarted); they receive the full weights from the next
+        round on while the others carry on. Returns how many connected.
+
+        Needs a backend that tracks workers one by one (tcp with `fanout=Chain()` or
+        `on_worker_failure="drop"`) and no round running. Cancellation or failure:
+        nothing is admitted.
+        """
+        if self.fleet is None:
+            raise ValueError(
+                "add_workers needs a tracked fleet: fanout=Chain() or "
+                f"on_worker_failure='drop' on the tcp backend (got backend "
+                f"{self.info.backend!r}, route={self.round_plan.route!r}, "
+                f"on_worker_failure={self.round_plan.on_worker_failure!r})"
+            )
+        if self._busy:
+            raise RuntimeError("add_workers called while a round runs; call it between rounds")
+        return await self.fleet.add_workers(
+            client, self.worker_init_fields(), self.info.timeouts.rpc
+        )
+
     async def shutdown(self) -> None:
         """Close the transport, once the lanes are past what a round queued on them
         (a cancelled round may have left copies into the transport's buffers queued).
         Idempotent.
 
         Cancellation: the lanes' wait is shielded (it ends with the queued work);
-        the transport is closed either way.
+        the transport and the fleet layer are closed either way.
         """
         self._closed = True
         try:
@@ -456,9 +517,26 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         finally:
             if self.transport is not None:
                 self.transport.close()
+            if self.fleet is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fleet.close()
 
     def drain_lanes(self) -> None:
         """Sleep until this engine's lanes have run their queued work: only those
         (a full-device sync would also wait for the trainer's own kernels)."""
         self._iterate_lane.drain()
         self._pack_lane.drain()
+
+
+def trainer_engine_class(
+    backend: TransportBackend, *, name: str, module: str
+) -> type[PipelinedTrainerEngine[Any]]:
+    """The trainer engine class of `backend` that users name (`name`, in `module`):
+    `PipelinedTrainerEngine` bound to the backend, with no code of its own."""
+    return bound_class(
+        PipelinedTrainerEngine,
+        backend,
+        init_info_cls=backend.trainer_info,
+        name=name,
+        module=module,
+    )

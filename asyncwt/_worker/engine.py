@@ -1,8 +1,9 @@
 """The deferred worker engine: rounds over any receiver transport, applied in the background.
 
-A backend subclasses `DeferredWorkerEngine`, names its init info class and builds
-its `ReceiverTransport`; receiving rounds, deferred apply and version publishing
-are here, written once.
+A backend is not a subclass: it hands the engine a `TransportBackend` (how to
+make its `ReceiverTransport`), and `worker_engine_class` makes the class users
+name (`TcpWorkerEngine`) from it. Receiving rounds, deferred apply and version
+publishing are here, written once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -28,6 +28,7 @@ from .._core.errors import (
 from .._core.plan import TransferPlan
 from .._core.settings import RoundUpdateInfo, WorkerPlanInfo
 from .._core.worker_api import WeightTransferConfig, WeightTransferEngine
+from .._transports.backend import TransportBackend, bound_class
 from .._transports.base import ReceiverTransport
 from .._transports.pool import ReceivePool
 from .adapters import AdapterCollector, LoraHooks
@@ -35,7 +36,7 @@ from .applier import DeferredApplier, ModelTarget, weights_loader
 from .delta import WorkerDelta, delta_receiver
 from .owners import owners_receiver
 
-__all__ = ["DeferredWorkerEngine"]
+__all__ = ["DeferredWorkerEngine", "worker_engine_class"]
 
 logger = logging.getLogger("asyncwt")
 
@@ -95,6 +96,8 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
     """
 
     init_info_cls: ClassVar[type[WorkerPlanInfo]]
+    backend: ClassVar[TransportBackend]
+    """The transport this class receives over (see `worker_engine_class`)."""
     update_info_cls = RoundUpdateInfo
     defers_processing = True
 
@@ -138,9 +141,14 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         """The adapter the trainer sends (an `AdapterSource`), and where it lands."""
         self._lora: LoraHooks | None = None
 
-    @abstractmethod
     def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        """The backend's receiving side for this worker."""
+        """The backend's receiving side for this worker (from one sender)."""
+        return self.backend.receiver(info, plan, self)
+
+    @property
+    def relay_host(self) -> str | None:
+        """Where a relaying receiver listens for its successor (`config.relay_host`)."""
+        return self.config.relay_host
 
     def _resolve(
         self,
@@ -446,3 +454,13 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         if self.receiver is not None:
             self.receiver.close()
         self._applier.shutdown(self._drain_timeout)
+
+
+def worker_engine_class(
+    backend: TransportBackend, *, name: str, module: str
+) -> type[DeferredWorkerEngine]:
+    """The worker engine class of `backend` that users name (`name`, in `module`):
+    `DeferredWorkerEngine` bound to the backend, with no code of its own."""
+    return bound_class(
+        DeferredWorkerEngine, backend, init_info_cls=backend.worker_info, name=name, module=module
+    )

@@ -121,17 +121,13 @@ class NullTransport:
 
 def engine_with(transport: Any) -> Any:
     """A tcp trainer engine class whose transport is `transport`."""
-    from asyncwt import TcpTrainerInitInfo
-    from asyncwt._trainer.engine import PipelinedTrainerEngine
+    import dataclasses
 
-    class Engine(PipelinedTrainerEngine[Any]):
-        init_info_cls = TcpTrainerInitInfo
+    from asyncwt._backends.tcp.backend import TCP
+    from asyncwt._trainer.engine import trainer_engine_class
 
-        @classmethod
-        def make_transport(cls, info: Any, plan: Any, device: Any) -> Any:
-            return transport
-
-    return Engine
+    backend = dataclasses.replace(TCP, sender=lambda info, plan, device: transport, fleet=None)
+    return trainer_engine_class(backend, name="Engine", module=__name__)
 
 
 def slow_source(model: Any, cycles: int) -> Any:

@@ -54,14 +54,14 @@ from ..._core.plan import Bucket, TransferPlan
 from ..._core.round_plan import BackendFeatures
 from ..._core.trainer_api import TrainerInitInfo
 from ..._core.validate import check_bool, check_int_in, check_u64
-from ..._trainer.engine import PipelinedTrainerEngine
+from ..._trainer.engine import trainer_engine_class
+from ..._transports.backend import ReceiveContext, TransportBackend
 from ..._transports.base import (
     InitWorkers,
     LandingTarget,
     ReceivedBucket,
     ReceiverTransport,
     Segment,
-    SenderTransport,
     Settle,
 )
 from ..._transports.link import Peer, WorkerLink
@@ -69,7 +69,7 @@ from ..._transports.link_settings import LinkedWorkerInfo, SendersAndDelta
 from ..._transports.pool import ReceivePool
 from ..._transports.sockio import recv_exact
 from ..._transports.wire import Frame, FrameKind
-from ..._worker.engine import DeferredWorkerEngine
+from ..._worker.engine import worker_engine_class
 from . import cma as _cma
 from . import memfd as _memfd
 from .ring import RingReceiver, RingSender
@@ -524,23 +524,20 @@ class ShmReceiver(RingReceiver):
         self.maps = []
 
 
-class ShmTrainerEngine(PipelinedTrainerEngine[ShmTrainerInitInfo]):
-    """Trainer engine of the `"shm"` backend (see the module docstring)."""
-
-    init_info_cls = ShmTrainerInitInfo
-    features = BackendFeatures(senders=("rank0", "owners"), codecs=("raw", "delta"))
-
-    @classmethod
-    def make_transport(
-        cls, info: ShmTrainerInitInfo, plan: TransferPlan, device: torch.device
-    ) -> SenderTransport:
-        return ShmSender(info, plan, device)
+def _make_receiver(
+    info: ShmWorkerInitInfo, plan: TransferPlan, ctx: ReceiveContext
+) -> ReceiverTransport:
+    return ShmReceiver(info, plan, ctx.receive_pool(info, plan))
 
 
-class ShmWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"shm"` backend (see the module docstring)."""
+SHM = TransportBackend(
+    name="shm",
+    trainer_info=ShmTrainerInitInfo,
+    worker_info=ShmWorkerInitInfo,
+    sender=ShmSender,
+    receiver=_make_receiver,
+    features=BackendFeatures(senders=("rank0", "owners"), codecs=("raw", "delta")),
+)
 
-    init_info_cls = ShmWorkerInitInfo
-
-    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        return ShmReceiver(info, plan, self.receive_pool(info, plan))
+ShmTrainerEngine = trainer_engine_class(SHM, name="ShmTrainerEngine", module=__name__)
+ShmWorkerEngine = worker_engine_class(SHM, name="ShmWorkerEngine", module=__name__)

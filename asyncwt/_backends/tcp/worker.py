@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from ..._core.plan import TransferPlan
+from ..._transports.backend import ReceiveContext
 from ..._transports.base import LandingTarget, ReceivedBucket, ReceiverTransport
 from ..._transports.link import LinkedReceiver, WorkerLink, connect_link
 from ..._transports.pool import ReceivePool
-from ..._worker.engine import DeferredWorkerEngine
 from .receive import receive_buckets
 from .relay import ChainReceiver, announce
 from .settings import TcpWorkerInitInfo
 
-__all__ = ["TcpReceiver", "TcpWorkerEngine"]
+__all__ = ["TcpReceiver", "make_receiver"]
 
 
 class TcpReceiver(LinkedReceiver):
@@ -52,17 +51,13 @@ class TcpReceiver(LinkedReceiver):
             self.link.close()
 
 
-class TcpWorkerEngine(DeferredWorkerEngine):
-    """Worker engine of the `"tcp"` backend (deferred apply; see `DeferredWorkerEngine`).
-
-    With the trainer's `topology="chain"` it receives from its predecessor and
-    forwards to its successor (`ChainReceiver`), listening on `config.relay_host`.
-    """
-
-    init_info_cls = TcpWorkerInitInfo
-
-    def make_receiver(self, info: Any, plan: TransferPlan) -> ReceiverTransport:
-        pool = self.receive_pool(info, plan)
-        if info.topology == "chain":
-            return ChainReceiver(info, plan, pool, self.config.relay_host)
-        return TcpReceiver(info, plan, pool)
+def make_receiver(
+    info: TcpWorkerInitInfo, plan: TransferPlan, ctx: ReceiveContext
+) -> ReceiverTransport:
+    """A tcp worker's receiving side: from its predecessor, forwarding to its
+    successor, when the trainer's `fanout=Chain()` (`ChainReceiver`, listening on
+    the worker's `relay_host`); else straight from the trainer (`TcpReceiver`)."""
+    pool = ctx.receive_pool(info, plan)
+    if info.topology == "chain":
+        return ChainReceiver(info, plan, pool, ctx.relay_host)
+    return TcpReceiver(info, plan, pool)
