@@ -33,8 +33,8 @@ from .._transports.base import ReceiverTransport
 from .._transports.pool import ReceivePool
 from .adapters import AdapterCollector, LoraHooks
 from .applier import DeferredApplier, ModelTarget, weights_loader
-from .delta import WorkerDelta, delta_receiver
-from .owners import owners_receiver
+from .delta import WorkerDelta
+from .receivers import worker_side
 
 __all__ = ["DeferredWorkerEngine", "worker_engine_class"]
 
@@ -199,20 +199,19 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         `ApplyError` if the old connection's background apply is still stuck after
         `drain_timeout`.
         """
-        plan = init_info.transfer_plan
-        receiver: ReceiverTransport
-        if init_info.owners is not None:  # every trainer rank sends its own shards
-            receiver, plan = owners_receiver(init_info, self.parse_init_info, self.make_receiver)
-        else:
-            receiver = self.make_receiver(init_info, plan)
-        delta = delta_receiver(receiver, plan) if init_info.codec == "delta" else None
-        adapter = None
-        if init_info.adapter_config is not None:  # adapter rounds land beside the model
-            self.check_adapter(plan, init_info.adapter_config)
-            adapter = (init_info.adapter_config, AdapterCollector(plan))
-        landing = self.model if adapter is None else adapter[1]
-        target = self._resolve(landing, plan, receiver, delta, partial=init_info.partial)
-        receiver.connect()
+        side = worker_side(init_info, self.parse_init_info, self.make_receiver)
+        receiver, plan, delta = side.receiver, side.plan, side.delta
+        try:
+            adapter = None
+            if init_info.adapter_config is not None:  # adapter rounds land beside the model
+                self.check_adapter(plan, init_info.adapter_config)
+                adapter = (init_info.adapter_config, AdapterCollector(plan))
+            landing = self.model if adapter is None else adapter[1]
+            target = self._resolve(landing, plan, receiver, delta, partial=init_info.partial)
+            receiver.connect()
+        except BaseException:
+            receiver.close()  # nothing of a failed init outlives it (a relay's listener)
+            raise
         old, self.receiver = self.receiver, receiver
         self._plan, self._target, self._delta = plan, target, delta
         self._adapter = adapter
