@@ -135,6 +135,10 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     adapter: dict[str, Any] | None = None
     """The LoRA adapter the plan's tensors are (`AdapterConfig.to_wire()`): the worker
     installs them as that adapter instead of loading them into its model."""
+    slices: bool = False
+    """The trainer sends each worker only the boxes it holds: the worker declares
+    them (its model's `asyncwt_layout`, see `asyncwt._worker.slices`) after the
+    handshake. A worker that holds everything whole declares that."""
 
     adapter_config: AdapterConfig | None = field(init=False, repr=False, compare=False)
     """`adapter` parsed (and checked) while parsing; None for model weights."""
@@ -152,6 +156,12 @@ class WorkerPlanInfo(WeightTransferInitInfo):
             check_timeout(name, getattr(self, name))
         check_trainer_id(self.trainer_id)
         check_bool("partial", self.partial)
+        check_bool("slices", self.slices)
+        if self.slices and (self.owners is not None or self.adapter is not None):
+            raise ValueError(
+                "slices are sent by rank 0 and only for model weights: owners and adapter "
+                "should be None with slices=True"
+            )
         if self.owners is not None and not isinstance(self.owners, dict):
             raise ValueError(f"owners should be a dict or None, got {type(self.owners).__name__}")
         self.adapter_config = None if self.adapter is None else parse_adapter_config(self.adapter)

@@ -16,15 +16,14 @@ carries READY's held round and the DELTA frames without reading either.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
 from .._core.concurrency import single_error
 from .._core.plan import Bucket
-from .._transports.base import InitWorkers, Segment, SenderTransport, Settle
+from .._transports.base import Segment, SenderTransport, Settle
+from .._transports.layer import SenderLayer
 from .._transports.link import LinkedSender, Peer
 from .._transports.link_settings import SendersAndDelta
 from .._transports.wire import FrameKind
@@ -52,13 +51,12 @@ def delta_sender(transport: SenderTransport, info: object) -> DeltaLinks:
     return DeltaLinks(transport, full_every=delta.full_every, policy=delta.policy)
 
 
-class DeltaLinks(SenderTransport):
+class DeltaLinks(SenderLayer):
     """A linked sender's rounds as deltas: per round, the workers that get them; per
     bucket, the frames each gets. Everything else is the wrapped sender's."""
 
     def __init__(self, inner: LinkedSender, *, full_every: int, policy: str) -> None:
-        self.inner = inner
-        self.links = inner.links
+        super().__init__(inner)
         self.links.accept_held()  # READY names the round a worker holds
         self.state = DeltaSender(inner.links.plan, full_every=full_every, policy=policy)
         self._deltas: list[Peer] = []
@@ -69,41 +67,13 @@ class DeltaLinks(SenderTransport):
         payloads; the mean when workers got different frames)."""
         self.round_encode_s = 0.0
         """Seconds the last round spent coding buckets (before each went out)."""
-        self.min_view_bytes = inner.min_view_bytes
-        self.in_flight_buckets = inner.in_flight_buckets
-        self.own_staging = inner.own_staging
-
-    # -- what the wrapped sender does as it is ------------------------------------------
-
-    def staging(self, slot: int) -> torch.Tensor | None:
-        return self.inner.staging(slot)
-
-    def prepare(self) -> None:
-        self.inner.prepare()
-
-    async def reclaim(self, slot: int) -> None:
-        await self.inner.reclaim(slot)
-
-    async def rendezvous(self, worker_fields: dict[str, Any], init_workers: InitWorkers) -> None:
-        await self.inner.rendezvous(worker_fields, init_workers)
-
-    @property
-    def num_workers(self) -> int:
-        return self.inner.num_workers
-
-    def check_usable(self) -> None:
-        self.inner.check_usable()
-
-    def close(self) -> None:
-        self.inner.close()
 
     # -- rounds --------------------------------------------------------------------------
 
     async def begin_round(self, round_id: int) -> None:
         """Open the round on the wrapped sender, then choose, from every worker's
         READY, who gets deltas."""
-        await self.inner.begin_round(round_id)
-        self.min_view_bytes = self.inner.min_view_bytes  # the round's, now it is open
+        await super().begin_round(round_id)
         peers = self.links.peers
         chosen = self.state.begin(round_id, [p.held for p in peers])
         self._deltas = [p for p, c in zip(peers, chosen) if c]

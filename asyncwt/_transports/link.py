@@ -626,6 +626,21 @@ class LinkedReceiver(ReceiverTransport):
         """Take `codec`'s frames on the link from the next `connect` on."""
         self.codec = codec
 
+    declaration: bytes | None = None
+    """The layout this worker declares after each handshake (sliced receivers), if any."""
+
+    def declare(self, layout: bytes) -> None:
+        """Send `layout` (LAYOUT) right after the handshake, from the next `connect` on."""
+        self.declaration = layout
+
+    def send_declaration(self, link: WorkerLink) -> None:
+        """Send the declared layout on a fresh `link`, if there is one."""
+        if self.declaration is not None:
+            link.send(
+                Frame(FrameKind.LAYOUT, 0, 0, link.digest, len(self.declaration)),
+                self.declaration,
+            )
+
 
 class WorkerLink:
     """The worker's end of the link: announces rounds, reads and validates frames.
@@ -663,10 +678,10 @@ class WorkerLink:
         """The bucket whose header comes next (for error messages)."""
         self._send_lock = threading.Lock()
 
-    def send(self, frame: Frame) -> None:
-        """Send a frame to the trainer (from any thread)."""
+    def send(self, frame: Frame, payload: bytes = b"") -> None:
+        """Send a frame (and its payload) to the trainer (from any thread)."""
         with self._send_lock:
-            send_all(self.sock, frame.pack())
+            send_all(self.sock, frame.pack() + payload)
 
     def frames(
         self, round_id: int, after_ready: Callable[[], object] | None = None

@@ -78,6 +78,10 @@ class FrameKind(enum.IntEnum):
     follow: the round's key of the edge into this worker and of the edge out of it
     (`EDGE_KEY_BYTES` each, see `edge_secret`), then the successor's host in UTF-8
     (none for the tail)."""
+    LAYOUT = 10
+    """Worker → trainer, once after the handshake (a star with `slices=True`): the
+    box of each parameter the worker holds, `nbytes` of them (a length the plan
+    fixes, see `asyncwt._core.slices.pack_layout`)."""
 
 
 @dataclass(frozen=True, slots=True)

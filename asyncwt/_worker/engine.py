@@ -199,7 +199,7 @@ class DeferredWorkerEngine(WeightTransferEngine[Any, RoundUpdateInfo]):
         `ApplyError` if the old connection's background apply is still stuck after
         `drain_timeout`.
         """
-        side = worker_side(init_info, self.parse_init_info, self.make_receiver)
+        side = worker_side(init_info, self.parse_init_info, self.make_receiver, self.model)
         receiver, plan, delta = side.receiver, side.plan, side.delta
         try:
             adapter = None

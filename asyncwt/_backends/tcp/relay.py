@@ -46,7 +46,7 @@ from ..._core.validate import MAX_HOST_CHARS, check_host
 from ..._transports.base import LandingTarget, ReceivedBucket, ReceiverTransport
 from ..._transports.link import WorkerLink, connect_link, read_abort_reason
 from ..._transports.pool import ReceivePool
-from ..._transports.sockio import recv_exact, send_all
+from ..._transports.sockio import recv_exact
 from ..._transports.wire import EDGE_KEY_BYTES, FRAME_SIZE, Frame, FrameKind, edge_secret
 from .admission import MAX_PENDING, Admission
 from .receive import receive_buckets
@@ -61,9 +61,7 @@ _KEYS = 2 * EDGE_KEY_BYTES
 def announce(link: WorkerLink, member: int, host: str, port: int) -> None:
     """Tell the trainer this worker's member number and relay listener (LISTEN)."""
     payload = host.encode()
-    frame = Frame(FrameKind.LISTEN, 0, member, link.digest, len(payload), port)
-    with link._send_lock:
-        send_all(link.sock, frame.pack() + payload)
+    link.send(Frame(FrameKind.LISTEN, 0, member, link.digest, len(payload), port), payload)
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,7 @@ class Tee:
 class _RelayLink(WorkerLink):
     """The round's stream from the predecessor: READY went on the control link."""
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame, payload: bytes = b"") -> None:
         return None
 
 

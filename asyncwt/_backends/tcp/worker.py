@@ -34,6 +34,7 @@ class TcpReceiver(LinkedReceiver):
         info = self.info
         sock = connect_link(info.host, info.port, info.token, self.plan, info.connect_timeout)
         self.link = WorkerLink(sock, self.plan, info.recv_timeout, codec=self.codec)
+        self.send_declaration(self.link)
         if info.member >= 0:  # a tracked member: pair this connection with it
             announce(self.link, info.member, "", 0)
 
