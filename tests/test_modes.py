@@ -10,6 +10,7 @@ import pytest
 
 from asyncwt import Chain, ShmTrainerInitInfo, Star, TcpTrainerInitInfo
 from asyncwt._core.modes import REFUSED, Mode, check_modes
+from asyncwt._core.round_plan import RoundChoices, choice_modes
 
 _TCP_CHOICES: dict[str, list[Any]] = {
     "delta": [None, True],
@@ -93,11 +94,13 @@ def test_each_refusal_names_both_settings_and_their_values(
         TcpTrainerInitInfo(rank=0, **combination)
 
 
-def test_the_table_names_only_settings_the_infos_describe() -> None:
+def test_the_table_names_only_settings_the_infos_or_the_round_plan_describe() -> None:
     described = set(TcpTrainerInitInfo(rank=0).modes())
     assert described == set(_TCP_CHOICES)
+    planned = set(choice_modes(RoundChoices()))
+    assert planned - described == {"receivers"}  # declared by the receivers, not a setting
     for rule in REFUSED:
-        assert {rule.first, rule.second} <= described
+        assert {rule.first, rule.second} <= planned
         assert rule.first != rule.second
     assert len({(r.first, r.second) for r in REFUSED}) == len(REFUSED)
 

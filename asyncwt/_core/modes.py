@@ -72,8 +72,27 @@ REFUSED: tuple[Refusal, ...] = (
         "a dropped worker's round would run again on rank 0 alone, which holds only its "
         "own shards (on_worker_failure='fail')",
     ),
+    Refusal(
+        "receivers",
+        "sliced",
+        "fanout",
+        "chain",
+        "a relay forwards the whole stream it receives, and a receiver that holds only "
+        "its slice cannot forward what its successor needs (fanout=Star())",
+    ),
+    Refusal(
+        "receivers",
+        "sliced",
+        "delta",
+        "on",
+        "a delta round's base is the whole tensor on every receiver, and per-slice bases "
+        "are not built yet (delta=None)",
+    ),
 )
-"""Every refused pair of modes (delta, senders, fanout, on_worker_failure)."""
+"""Every refused pair of modes (delta, senders, fanout, on_worker_failure, receivers).
+
+`receivers` is no init-info setting (each receiver declares its slice): its pairs
+are checked on the round plan's choices (`asyncwt._core.round_plan.refuse`)."""
 
 
 def check_modes(modes: Mapping[str, Mode]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "SharePiece",
     "full_slices",
     "local_boxes",
+    "piece_plan",
     "pieces_by_param",
     "row_groups",
 ]
@@ -65,6 +66,16 @@ class Box:
     def within(self, outer: Box) -> tuple[slice, ...]:
         """Index of this box inside `outer` (a tensor holding `outer`'s elements)."""
         return tuple(slice(s - o, s - o + n) for s, n, o in zip(self.start, self.size, outer.start))
+
+    def intersection(self, other: Box) -> Box | None:
+        """The elements both boxes cover, or None when they share none (boxes of one
+        tensor: same number of dims)."""
+        start = tuple(max(a, b) for a, b in zip(self.start, other.start))
+        stop = tuple(
+            min(a + n, b + m) for a, n, b, m in zip(self.start, self.size, other.start, other.size)
+        )
+        box = Box(start, tuple(hi - lo for lo, hi in zip(start, stop)))
+        return box if all(n > 0 for n in box.size) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +179,18 @@ def _int_list(name: str, raw: object) -> tuple[int, ...]:
     return tuple(raw)
 
 
+def piece_plan(plan: TransferPlan, pieces: Iterable[tuple[int, Box]]) -> TransferPlan:
+    """The plan that carries `pieces` (each a parameter index of `plan` and a box of
+    that parameter): one `ParamMeta` per piece, named as its parameter and shaped as
+    its box, packed as `plan` packs (its bucket size and alignment). A slice's
+    `param` is then the piece's index in `pieces`."""
+    return TransferPlan.build(
+        [ParamMeta(plan.params[i].name, plan.params[i].dtype, box.size) for i, box in pieces],
+        bucket_bytes=plan.bucket_bytes,
+        alignment=plan.alignment,
+    )
+
+
 @dataclass(frozen=True)
 class OwnersLayout:
     """Who sends what with `senders="owners"`; identical on every rank and worker.
@@ -204,15 +227,7 @@ class OwnersLayout:
             for piece in _pieces(index, meta, world_size):
                 pieces[piece.rank].append(piece)
         share_plans = tuple(
-            TransferPlan.build(
-                [
-                    ParamMeta(plan.params[p.param].name, plan.params[p.param].dtype, p.box.size)
-                    for p in rank_pieces
-                ],
-                bucket_bytes=plan.bucket_bytes,
-                alignment=plan.alignment,
-            )
-            for rank_pieces in pieces
+            piece_plan(plan, [(p.param, p.box) for p in rank_pieces]) for rank_pieces in pieces
         )
         h = hashlib.sha256(f"asyncwt-owners/{OWNERS_FORMAT}|{world_size}|{plan.digest}\n".encode())
         for rank_pieces, share in zip(pieces, share_plans):

@@ -8,15 +8,18 @@ mode from an init info or a transport. It says:
 - *senders*: which trainer rank sends which pieces (`shares`: rank 0 the whole plan,
   or with owner senders each rank its `OwnersLayout` share);
 - *needs*: which boxes each receiver needs (`needs`: every receiver every parameter
-  whole today; a receiver's own slice next);
+  whole, or with receiver layouts each receiver the box of each parameter it
+  declared; then `pairs` says what each sender sends each receiver);
 - *route*: each byte straight from its sender to every receiver (`"star"`), or once
   to the first receiver and on through each receiver's predecessor (`"chain"`);
   `edges(n)` lists a round's edges, each with what its two ends present to admit
-  each other for that round (`Admission`);
+  each other for that round (`Admission`); with receiver layouts, one edge per
+  (sender, receiver) pair that shares any byte;
 - *codec*: raw bytes, or a lossless delta against the previous round (`"delta"`).
 
 Build it by composing steps: `rank0_senders` or `owner_senders` (the pieces and
-who sends them), then `via_chain` and `with_delta` where chosen; `build_round_plan`
+who sends them), then `with_receiver_layouts`, `via_chain` and `with_delta` where
+chosen; `build_round_plan`
 does this from `RoundChoices`. A step refuses a combination that cannot work, naming
 both settings, so no such plan exists.
 """
@@ -32,7 +35,9 @@ from typing import Literal
 from .meta import ParamMeta
 from .modes import Mode, check_modes
 from .owners import Box, OwnersLayout
+from .pairs import PairPlans, rank0_pieces
 from .plan import TransferPlan
+from .receiver_layout import ReceiverLayout
 
 __all__ = [
     "Admission",
@@ -40,6 +45,7 @@ __all__ = [
     "Codec",
     "Endpoint",
     "Need",
+    "ReceiversKind",
     "RoundChoices",
     "RoundPlan",
     "RouteEdge",
@@ -55,6 +61,7 @@ __all__ = [
     "via_chain",
     "whole_boxes",
     "with_delta",
+    "with_receiver_layouts",
 ]
 
 ROUND_PLAN_FORMAT = 1
@@ -62,6 +69,7 @@ ROUND_PLAN_FORMAT = 1
 SendersKind = Literal["rank0", "owners"]
 RouteKind = Literal["star", "chain"]
 Codec = Literal["raw", "delta"]
+ReceiversKind = Literal["whole", "sliced"]
 FailurePolicy = Literal["fail", "drop"]
 
 EVERY_RECEIVER = -1
@@ -77,6 +85,10 @@ class RoundChoices:
     what it holds."""
     route: RouteKind = "star"
     codec: Codec = "raw"
+    receivers: ReceiversKind = "whole"
+    """`"whole"`: every receiver holds every parameter whole; `"sliced"`: each
+    receiver declares the box of each parameter it holds (`ReceiverLayout`) and
+    receives only those bytes."""
     on_worker_failure: FailurePolicy = "fail"
     """Not a property of a round's bytes, but it rules some plans out (a dropped
     worker's round runs again on rank 0 alone, and delta needs every worker's base)."""
@@ -89,12 +101,14 @@ class BackendFeatures:
     senders: tuple[SendersKind, ...] = ("rank0",)
     routes: tuple[RouteKind, ...] = ("star",)
     codecs: tuple[Codec, ...] = ("raw",)
+    receivers: tuple[ReceiversKind, ...] = ("whole",)
 
 
 _WHERE = {
     "senders": ("owners", "senders='owners' is supported by the tcp and shm backends"),
     "fanout": ("chain", "fanout=Chain() is supported by the tcp backend"),
     "delta": ("delta", "delta rounds run on tcp and shm"),
+    "receivers": ("sliced", "no backend runs receivers that declare their slices yet"),
 }
 
 
@@ -109,6 +123,7 @@ def choice_modes(choices: RoundChoices) -> dict[str, Mode]:
             "Delta()" if choices.codec == "delta" else "None",
         ),
         "on_worker_failure": Mode(choices.on_worker_failure, repr(choices.on_worker_failure)),
+        "receivers": Mode(choices.receivers, repr(choices.receivers)),
     }
 
 
@@ -135,6 +150,11 @@ def check_choices(
         if choices.codec not in features.codecs:
             raise ValueError(
                 f"delta should be False for the {backend} backend ({_WHERE['delta'][1]}), got True"
+            )
+        if choices.receivers not in features.receivers:
+            raise ValueError(
+                f"receivers should be 'whole' for the {backend} backend "
+                f"({_WHERE['receivers'][1]}), got {choices.receivers!r}"
             )
     refuse(choices)
 
@@ -211,6 +231,9 @@ class RoundPlan:
     world_size: int
     """Trainer ranks the plan was built for."""
     needs: tuple[Need, ...]
+    pairs: PairPlans | None
+    """With receiver layouts, what each sender sends each receiver (`needs` are the
+    layouts' boxes); None when every receiver needs every parameter whole."""
     route: RouteKind
     codec: Codec
     on_worker_failure: FailurePolicy
@@ -218,7 +241,7 @@ class RoundPlan:
     """What every round's update info names as its plan, and the receivers check:
     the full plan's digest, or the owner layout's (which covers every share)."""
     digest: str
-    """This plan's digest: the pieces, senders, needs, route and codec."""
+    """This plan's digest: the pieces, senders, needs, pairs, route and codec."""
 
     def __post_init__(self) -> None:
         refuse(self.choices)  # no plan holds a pair of choices that cannot work
@@ -230,6 +253,7 @@ class RoundPlan:
             senders=self.senders,
             route=self.route,
             codec=self.codec,
+            receivers="whole" if self.pairs is None else "sliced",
             on_worker_failure=self.on_worker_failure,
         )
 
@@ -273,6 +297,20 @@ class RoundPlan:
                 RouteEdge(source=src, target=dst, admission=ROUND_EDGE_KEY)
                 for src, dst in zip(feeders, into)
             )
+        if self.pairs is not None:
+            if receivers != len(self.pairs.layouts):
+                raise ValueError(
+                    f"receivers should be the {len(self.pairs.layouts)} receivers whose "
+                    f"layouts the plan was built with, got {receivers}"
+                )
+            return tuple(
+                RouteEdge(
+                    source=Endpoint(role="sender", index=pair.sender),
+                    target=into[pair.receiver],
+                    admission=INIT_TOKEN,
+                )
+                for pair in self.pairs.pairs
+            )
         return tuple(
             RouteEdge(
                 source=Endpoint(role="sender", index=share.rank), target=dst, admission=INIT_TOKEN
@@ -291,6 +329,8 @@ class RoundPlan:
             for box in need.boxes:
                 h.update(f"|{box.start}:{box.size}".encode())
             h.update(b"\n")
+        if self.pairs is not None:  # absent otherwise: the digests of whole plans stay
+            h.update(f"pairs|{self.pairs.digest}\n".encode())
         h.update(f"route|{self.route}\ncodec|{self.codec}\n".encode())
         h.update(f"failure|{self.on_worker_failure}\n".encode())
         return dataclasses.replace(self, digest=h.hexdigest())
@@ -309,6 +349,7 @@ def rank0_senders(plan: TransferPlan, *, world_size: int = 1) -> RoundPlan:
         layout=None,
         world_size=world_size,
         needs=_whole_needs(plan),
+        pairs=None,
         route="star",
         codec="raw",
         on_worker_failure="fail",
@@ -329,6 +370,7 @@ def owner_senders(plan: TransferPlan, *, world_size: int) -> RoundPlan:
         layout=layout,
         world_size=world_size,
         needs=_whole_needs(plan),
+        pairs=None,
         route="star",
         codec="raw",
         on_worker_failure="fail",
@@ -352,6 +394,20 @@ def with_delta(rp: RoundPlan) -> RoundPlan:
     return _step(rp, codec="delta")
 
 
+def with_receiver_layouts(rp: RoundPlan, layouts: Sequence[ReceiverLayout]) -> RoundPlan:
+    """Send each receiver only the box of each parameter it declared (`layouts`, one
+    per receiver index, in the round's order): each sender sends each receiver the
+    intersection of what it holds and what the receiver holds (`PairPlans`).
+
+    Refused with a relay chain (a relay forwards the whole stream) and with delta
+    (its base is the whole tensor on every receiver), naming both settings.
+    """
+    held = rp.layout.pieces if rp.layout is not None else rank0_pieces(rp.plan)
+    pairs = PairPlans.build(rp.plan, held, layouts)
+    needs = tuple(Need(receiver=i, boxes=layout.boxes) for i, layout in enumerate(pairs.layouts))
+    return dataclasses.replace(rp, needs=needs, pairs=pairs)._digested()
+
+
 def dropping_workers(rp: RoundPlan) -> RoundPlan:
     """Let a round drop a dead worker and run again on the survivors (rank 0 alone)."""
     return _step(rp, on_worker_failure="drop")
@@ -366,17 +422,28 @@ def build_round_plan(
     world_size: int = 1,
     features: BackendFeatures | None = None,
     backend: str = "this",
+    layouts: Sequence[ReceiverLayout] | None = None,
 ) -> RoundPlan:
     """The round plan for `choices` over `metadata` and `world_size` trainer ranks.
 
     `features` (when given) refuses what the backend cannot run, naming it.
+    `layouts`, one per receiver, are given exactly when `choices.receivers` is
+    `"sliced"`.
     """
     check_choices(choices, features, backend)
+    if (layouts is not None) != (choices.receivers == "sliced"):
+        raise ValueError(
+            f"layouts should be given exactly when receivers='sliced', got "
+            f"receivers={choices.receivers!r} with "
+            f"{'no layouts' if layouts is None else f'{len(layouts)} layouts'}"
+        )
     plan = TransferPlan.build(metadata, bucket_bytes=bucket_bytes, alignment=alignment)
     if choices.senders == "owners":
         rp = owner_senders(plan, world_size=world_size)
     else:
         rp = rank0_senders(plan, world_size=world_size)
+    if layouts is not None:
+        rp = with_receiver_layouts(rp, layouts)
     if choices.on_worker_failure == "drop":
         rp = dropping_workers(rp)
     if choices.route == "chain":
