@@ -96,9 +96,9 @@ def test_each_refusal_names_both_settings_and_their_values(
 
 def test_the_table_names_only_settings_the_infos_or_the_round_plan_describe() -> None:
     described = set(TcpTrainerInitInfo(rank=0).modes())
-    assert described == set(_TCP_CHOICES)
+    assert described == set(_TCP_CHOICES) | {"receivers"}  # fanout=Star(slices=True)
     planned = set(choice_modes(RoundChoices()))
-    assert planned - described == {"receivers"}  # declared by the receivers, not a setting
+    assert planned == described
     for rule in REFUSED:
         assert {rule.first, rule.second} <= planned
         assert rule.first != rule.second
@@ -109,3 +109,21 @@ def test_a_setting_an_info_lacks_matches_no_rule() -> None:
     check_modes({"delta": Mode("on", "Delta()")})  # no fan-out: nothing to refuse
     with pytest.raises(ValueError, match=r"^delta=Delta\(\) cannot be combined with fanout=X: "):
         check_modes({"delta": Mode("on", "Delta()"), "fanout": Mode("chain", "X")})
+
+
+def test_sliced_receivers_run_only_with_rank0_star_raw_and_fail() -> None:
+    """`fanout=Star(slices=True)`: Chain cannot carry it; delta, owners and drop are
+    refused, naming the setting as written."""
+    choices = {**_TCP_CHOICES, "fanout": [Star(slices=True)]}
+    allowed = [c for c in _combinations(choices) if _refused(TcpTrainerInitInfo, c) is None]
+    assert allowed == [
+        {
+            "delta": None,
+            "senders": "rank0",
+            "fanout": Star(slices=True),
+            "on_worker_failure": "fail",
+        }
+    ]
+    message = _refused(TcpTrainerInitInfo, {"fanout": Star(slices=True), "delta": True})
+    assert message is not None
+    assert message.startswith("fanout=Star(slices=True) cannot be combined with delta=Delta(")

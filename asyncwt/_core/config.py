@@ -185,9 +185,19 @@ class Delta:
 @dataclass(frozen=True, slots=True)
 class Star:
     """Fan-out: the trainer sends every bucket to every worker over its own connection
-    (the trainer's link carries the model once per worker)."""
+    (the trainer's link carries the model once per worker).
+
+    With `slices=True` each worker declares, after its handshake, the part of each
+    parameter it holds (a tensor-parallel rank's shard, its model's
+    `asyncwt_layout`), and receives exactly those bytes: a TP group of N ranks
+    costs the trainer's link one model, not N.
+    """
 
     name: ClassVar[str] = "star"
+    slices: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("fanout.slices", self.slices)
 
 
 @dataclass(frozen=True, slots=True)

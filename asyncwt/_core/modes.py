@@ -20,6 +20,9 @@ class Mode:
 
     key: str
     shown: str
+    setting: str | None = None
+    """The setting a user writes for it, where that is not the mode's own name (tcp's
+    sliced receivers are `fanout=Star(slices=True)`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +91,28 @@ REFUSED: tuple[Refusal, ...] = (
         "a delta round's base is the whole tensor on every receiver, and per-slice bases "
         "are not built yet (delta=None)",
     ),
+    Refusal(
+        "receivers",
+        "sliced",
+        "senders",
+        "owners",
+        "with sliced receivers rank 0 sends every worker its boxes; owner ranks reading "
+        "each worker's layout are not built yet (senders='rank0')",
+    ),
+    Refusal(
+        "receivers",
+        "sliced",
+        "on_worker_failure",
+        "drop",
+        "a tracked fleet's sender does not read the workers' layouts yet "
+        "(on_worker_failure='fail')",
+    ),
 )
 """Every refused pair of modes (delta, senders, fanout, on_worker_failure, receivers).
 
-`receivers` is no init-info setting (each receiver declares its slice): its pairs
-are checked on the round plan's choices (`asyncwt._core.round_plan.refuse`)."""
+`receivers` is tcp's `fanout=Star(slices=True)` on an init info (each receiver then
+declares its slice); a round plan built by hand meets the same pairs
+(`asyncwt._core.round_plan.refuse`)."""
 
 
 def check_modes(modes: Mapping[str, Mode]) -> None:
@@ -103,6 +123,7 @@ def check_modes(modes: Mapping[str, Mode]) -> None:
             continue
         if first.key == rule.first_key and second.key == rule.second_key:
             raise ValueError(
-                f"{rule.first}={first.shown} cannot be combined with "
-                f"{rule.second}={second.shown}: {rule.reason}; change one of them"
+                f"{first.setting or rule.first}={first.shown} cannot be combined with "
+                f"{second.setting or rule.second}={second.shown}: {rule.reason}; change one "
+                f"of them"
             )

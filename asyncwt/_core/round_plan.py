@@ -427,15 +427,15 @@ def build_round_plan(
     """The round plan for `choices` over `metadata` and `world_size` trainer ranks.
 
     `features` (when given) refuses what the backend cannot run, naming it.
-    `layouts`, one per receiver, are given exactly when `choices.receivers` is
-    `"sliced"`.
+    `layouts`, one per receiver, may be given only when `choices.receivers` is
+    `"sliced"`; without them the receivers declare theirs at init, and the engine
+    records them then (`with_receiver_layouts`).
     """
     check_choices(choices, features, backend)
-    if (layouts is not None) != (choices.receivers == "sliced"):
+    if layouts is not None and choices.receivers != "sliced":
         raise ValueError(
-            f"layouts should be given exactly when receivers='sliced', got "
-            f"receivers={choices.receivers!r} with "
-            f"{'no layouts' if layouts is None else f'{len(layouts)} layouts'}"
+            f"layouts should be given only with receivers='sliced', got "
+            f"receivers={choices.receivers!r} with {len(layouts)} layouts"
         )
     plan = TransferPlan.build(metadata, bucket_bytes=bucket_bytes, alignment=alignment)
     if choices.senders == "owners":

@@ -24,18 +24,24 @@ from .._core.device import resolve_device
 from .._core.errors import ControlPlaneError
 from .._core.lanes import DeviceLane, LaneEvent
 from .._core.protocol import AnyWeightSyncClient, call_client, round_keywords
-from .._core.round_plan import RoundPlan, SendersKind, check_choices
+from .._core.round_plan import (
+    RoundChoices,
+    RoundPlan,
+    SendersKind,
+    check_choices,
+    with_receiver_layouts,
+)
 from .._core.settings import PipelineSettings
 from .._core.source import WeightSource
 from .._core.stats import Progress, RoundStats
 from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
-from .._delta.links import delta_sender
 from .._transports.backend import Fleet, TransportBackend, bound_class
 from .._transports.base import SenderTransport
+from .._transports.sliced import SlicedSender
 from .calls import bounded_call, round_failed
 from .owners import OwnerRanks
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
-from .senders import RankZero, SenderSide, share_round
+from .senders import RankZero, SenderSide, sender_layers, share_round
 
 __all__ = ["SENDER_SIDES", "PipelinedTrainerEngine", "trainer_engine_class"]
 
@@ -137,6 +143,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         side = SENDER_SIDES[choices.senders].build(init_info, source, choices)
         device = resolve_device(settings.device, side.source)
         fleet = backend.open_fleet(init_info, client, source) if init_info.is_sender else None
+        engine = None
         try:
             engine = cls(
                 init_info,
@@ -146,19 +153,24 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             )
             engine.fleet = fleet
             if side.opens_transport(init_info.is_sender):
-                engine.transport = await engine._open_transport(side, choices.codec)
+                engine.transport = await engine._open_transport(side, choices)
+                if isinstance(engine.transport, SlicedSender):  # the needs, as declared
+                    layouts = engine.transport.layouts()
+                    engine.round_plan = with_receiver_layouts(engine.round_plan, layouts)
                 if fleet is not None:
                     fleet.attach(engine.transport)
         except BaseException:
+            if engine is not None and engine.transport is not None:
+                engine.transport.close()
             if fleet is not None:
                 with anyio.CancelScope(shield=True):
                     await fleet.close()
             raise
         return engine
 
-    async def _open_transport(self, side: SenderSide, codec: str) -> SenderTransport:
-        """Open this rank's transport (a delta layer around the backend's sender, if
-        the plan's codec says so) and init the workers through it."""
+    async def _open_transport(self, side: SenderSide, choices: RoundChoices) -> SenderTransport:
+        """Open this rank's transport (the backend's sender in the layers the plan's
+        choices ask for, see `sender_layers`) and init the workers through it."""
         info, backend = self.info, self.backend
         client = self.client
 
@@ -173,13 +185,13 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
 
         def make_transport() -> SenderTransport:
             transport = backend.sender(info, self.plan, self.device)
-            if codec != "delta":
-                return transport
-            try:  # a layer around the backend's sender
-                return delta_sender(transport, info)
+            try:  # the plan's layers around the backend's sender
+                for layer in sender_layers(choices, info, self.plan):
+                    transport = layer(transport)
             except BaseException:
                 transport.close()  # the backend's listener would outlive the init
                 raise
+            return transport
 
         return await side.open(
             make_transport, self.prepare_staging, self.worker_init_fields(), init_all

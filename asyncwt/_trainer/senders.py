@@ -20,7 +20,9 @@ from .._core.concurrency import single_error
 from .._core.plan import TransferPlan
 from .._core.round_plan import RoundChoices, RoundPlan, build_round_plan
 from .._core.source import WeightSource
+from .._delta.links import delta_sender
 from .._transports.base import InitWorkers, SenderTransport
+from .._transports.sliced import sliced_sender
 
 __all__ = ["RankZero", "SenderSide", "round_plan_for", "share_round"]
 
@@ -149,3 +151,17 @@ async def share_round(
             await transport.abort_round(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise
     return busy
+
+
+SenderLayer = Callable[[SenderTransport], SenderTransport]
+
+
+def sender_layers(choices: RoundChoices, info: Any, plan: TransferPlan) -> list[SenderLayer]:
+    """The layers a round plan's choices put around the backend's sender, innermost
+    first: each worker's own slice (`"sliced"` receivers), then the codec (delta)."""
+    layers: list[SenderLayer] = []
+    if choices.receivers == "sliced":
+        layers.append(lambda transport: sliced_sender(transport, plan))
+    if choices.codec == "delta":
+        layers.append(lambda transport: delta_sender(transport, info))
+    return layers

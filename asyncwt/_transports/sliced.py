@@ -19,6 +19,7 @@ from .._core.concurrency import single_error
 from .._core.errors import ProtocolError, TransferTimeoutError
 from .._core.owners import Box
 from .._core.plan import Bucket, TransferPlan
+from .._core.receiver_layout import ReceiverLayout
 from .._core.slices import layout_nbytes, select, unpack_layout, whole_box
 from .base import InitWorkers, Segment, SenderTransport
 from .layer import SenderLayer
@@ -93,6 +94,10 @@ class SlicedSender(SenderLayer):
             self.round_wire_bytes,
             self.plan.total_bytes,
         )
+
+    def layouts(self) -> list[ReceiverLayout]:
+        """What each worker declared, in the order of the links' peers."""
+        return [ReceiverLayout(self.plan.params, self.needs[peer]) for peer in self.links.peers]
 
     async def _read_layout(self, peer: Peer) -> None:
         """Read `peer`'s LAYOUT, at the size the plan fixes, before anything is sent."""

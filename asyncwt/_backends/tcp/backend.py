@@ -43,7 +43,10 @@ TCP = TransportBackend(
     sender=make_sender,
     receiver=make_receiver,
     features=BackendFeatures(
-        senders=("rank0", "owners"), routes=("star", "chain"), codecs=("raw", "delta")
+        senders=("rank0", "owners"),
+        routes=("star", "chain"),
+        codecs=("raw", "delta"),
+        receivers=("whole", "sliced"),
     ),
     fleet=open_fleet,
 )

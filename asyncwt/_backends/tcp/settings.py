@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from ..._core.config import Chain, Star, check_group
 from ..._core.modes import Mode
-from ..._core.round_plan import RoundChoices
+from ..._core.round_plan import ReceiversKind, RoundChoices
 from ..._core.settings import RoundUpdateInfo
 from ..._core.trainer_api import TrainerInitInfo
 from ..._transports.link_settings import LinkedWorkerInfo, SendersAndDelta
@@ -59,13 +59,19 @@ class TcpTrainerInitInfo(SendersAndDelta, TrainerInitInfo):
             **super().modes(),
             "fanout": Mode(self.fanout.name, repr(self.fanout)),
             "on_worker_failure": Mode(self.on_worker_failure, repr(self.on_worker_failure)),
+            "receivers": Mode(self._receivers, repr(self.fanout), setting="fanout"),
         }
+
+    @property
+    def _receivers(self) -> ReceiversKind:
+        return "sliced" if isinstance(self.fanout, Star) and self.fanout.slices else "whole"
 
     def round_choices(self) -> RoundChoices:
         return dataclasses.replace(
             super().round_choices(),
             route="chain" if isinstance(self.fanout, Chain) else "star",
             on_worker_failure="drop" if self.on_worker_failure == "drop" else "fail",
+            receivers=self._receivers,
         )
 
     @property
