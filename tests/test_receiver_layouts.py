@@ -557,7 +557,7 @@ BAD_HELPERS: list[tuple[Any, str]] = [
     ),
     (
         lambda: shard_box(ParamMeta("w", torch.float32, (4, 4)), 0, size=2, rank=2),
-        r"^parameter 'w': rank should be in \[0, 2\), got 2$",
+        r"^parameter 'w': rank should be an int in \[0, 1\], got 2$",
     ),
     (
         lambda: placement_box(ParamMeta("w", torch.float32, (4,)), Replicate(), size=0, rank=0),
