@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from asyncwt._core.meta import ParamMeta, Placement, Replicate, Shard
 from asyncwt._core.owners import Box
-from asyncwt._core.pairs import PairPlans, local_slices, rank0_pieces
+from asyncwt._core.pairs import PairPlans, local_slices, pair_plan, rank0_pieces
 from asyncwt._core.plan import TransferPlan
 from asyncwt._core.receiver_layout import (
     ReceiverLayout,
@@ -233,6 +233,10 @@ def _rounds(draw: st.DrawFn) -> RoundPlan:
 def test_every_receiver_gets_exactly_the_bytes_it_holds_each_once(rp: RoundPlan) -> None:
     _check_round(rp)
     assert rp.pairs is not None
+    held = rp.layout.pieces if rp.layout is not None else rank0_pieces(rp.plan)
+    for receiver, layout in enumerate(rp.pairs.layouts):  # a receiver builds its own pairs
+        alone = [pair_plan(rp.plan, s, pieces, receiver, layout) for s, pieces in enumerate(held)]
+        assert [p for p in alone if p is not None] == list(rp.pairs.to_receiver(receiver))
     for layout in rp.pairs.layouts:  # and each declaration travels as JSON unchanged
         assert ReceiverLayout.from_wire(rp.plan, json.loads(json.dumps(layout.to_wire()))) == layout
 
@@ -376,6 +380,10 @@ def test_the_digests_cover_the_pairs_and_the_declarations_themselves() -> None:
     first, second = (PairPlans.build(plan, rank0_pieces(plan), [n]) for n in nothing)
     assert first.pairs == second.pairs == ()
     assert first.digest != second.digest  # the same bytes (none), declared otherwise
+    one, two = a.pairs.pairs  # rank 0 to each receiver: their rows
+    assert len({one.digest, two.digest, dataclasses.replace(two, receiver=0).digest}) == 3
+    moved = dataclasses.replace(one.pieces[0], target=Box((0, 0), (4, 6)))  # lands elsewhere
+    assert dataclasses.replace(one, pieces=(moved, *one.pieces[1:])).digest != one.digest
 
 
 def test_build_round_plan_takes_the_layouts_when_receivers_are_sliced() -> None:
