@@ -24,7 +24,7 @@ from .owners import Box, SharePiece, full_slices, piece_plan
 from .plan import Slice, TransferPlan
 from .receiver_layout import ReceiverLayout, whole_box
 
-__all__ = ["PairPiece", "PairPlan", "PairPlans", "local_slices", "rank0_pieces"]
+__all__ = ["PairPiece", "PairPlan", "PairPlans", "local_slices", "pair_plan", "rank0_pieces"]
 
 PAIRS_FORMAT = 1
 
@@ -77,6 +77,41 @@ class PairPlan:
         """Payload bytes this pair moves each round."""
         return self.plan.total_bytes
 
+    @property
+    def digest(self) -> str:
+        """Over the pair, every piece's boxes and the plan: what the two ends of the
+        pair compare, each having built it (`pair_plan`)."""
+        h = hashlib.sha256(
+            f"asyncwt-pair/{PAIRS_FORMAT}|{self.sender}|{self.receiver}|{self.plan.digest}\n".encode()
+        )
+        for p in self.pieces:
+            h.update(f"{p.param}|{p.box}|{p.source}|{p.target}\n".encode())
+        return h.hexdigest()
+
+
+def pair_plan(
+    plan: TransferPlan,
+    sender: int,
+    held: Sequence[SharePiece],
+    receiver: int,
+    layout: ReceiverLayout,
+) -> PairPlan | None:
+    """What `sender`, holding `held`, sends `receiver`, holding `layout`: the
+    intersections, one per parameter they share, in parameter order, packed as the
+    owner ranks' shares are (`piece_plan`); None when they share no byte. A receiver
+    builds its own pairs with this alone (it needs no other receiver's layout)."""
+    found = []
+    for piece in sorted(held, key=lambda p: (p.param, p.box.start)):
+        target = layout.boxes[piece.param]
+        box = piece.box.intersection(target)
+        if box is not None:
+            found.append(PairPiece(piece.param, box, piece.local, target))
+    if not found:
+        return None
+    return PairPlan(
+        sender, receiver, tuple(found), piece_plan(plan, [(p.param, p.box) for p in found])
+    )
+
 
 def local_slices(piece: PairPiece, meta: ParamMeta, pair_slice: Slice, param: int) -> list[Slice]:
     """Where the piece bytes of `pair_slice` go in the receiver's local tensor of the
@@ -120,27 +155,19 @@ class PairPlans:
         layouts = tuple(layouts)
         for index, layout in enumerate(layouts):
             _check_same_params(plan, layout, index)
-        pairs = []
-        for sender, pieces in enumerate(held):
-            for receiver, layout in enumerate(layouts):
-                found = []
-                for piece in sorted(pieces, key=lambda p: (p.param, p.box.start)):
-                    target = layout.boxes[piece.param]
-                    box = piece.box.intersection(target)
-                    if box is not None:
-                        found.append(PairPiece(piece.param, box, piece.local, target))
-                if found:
-                    pair_plan = piece_plan(plan, [(p.param, p.box) for p in found])
-                    pairs.append(PairPlan(sender, receiver, tuple(found), pair_plan))
+        pairs = [
+            pair
+            for sender, pieces in enumerate(held)
+            for receiver, layout in enumerate(layouts)
+            if (pair := pair_plan(plan, sender, pieces, receiver, layout)) is not None
+        ]
         h = hashlib.sha256(
             f"asyncwt-pairs/{PAIRS_FORMAT}|{plan.digest}|{len(held)}|{len(layouts)}\n".encode()
         )
         for layout in layouts:
             h.update(f"layout|{layout.digest}\n".encode())
         for pair in pairs:
-            h.update(f"pair|{pair.sender}|{pair.receiver}|{pair.plan.digest}\n".encode())
-            for p in pair.pieces:
-                h.update(f"{p.param}|{p.box}|{p.source}|{p.target}\n".encode())
+            h.update(f"pair|{pair.digest}\n".encode())
         return cls(
             plan=plan, senders=len(held), layouts=layouts, pairs=tuple(pairs), digest=h.hexdigest()
         )

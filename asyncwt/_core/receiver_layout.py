@@ -29,6 +29,7 @@ from typing import Any
 from .meta import ParamMeta, Placement, Shard
 from .owners import Box, _int_list
 from .plan import TransferPlan
+from .validate import check_int_in
 
 __all__ = [
     "ReceiverLayout",
@@ -57,12 +58,9 @@ def _check_dim(meta: ParamMeta, dim: object) -> int:
     return dim
 
 
-def _check_group(meta: ParamMeta, size: object, rank: object) -> tuple[int, int]:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"parameter {meta.name!r}: size should be an int >= 1, got {size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-        raise ValueError(f"parameter {meta.name!r}: rank should be in [0, {size}), got {rank!r}")
-    return size, rank
+def _check_group(meta: ParamMeta, size: int, rank: int) -> None:
+    check_int_in(f"parameter {meta.name!r}: size", size, 1)
+    check_int_in(f"parameter {meta.name!r}: rank", rank, 0, size - 1)
 
 
 def range_box(meta: ParamMeta, dim: int, start: int, stop: int) -> Box:
@@ -71,11 +69,8 @@ def range_box(meta: ParamMeta, dim: int, start: int, stop: int) -> Box:
 
     The explicit form of a split `shard_box` refuses (uneven, or padded)."""
     dim = _check_dim(meta, dim)
-    for name, value in (("start", start), ("stop", stop)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(
-                f"parameter {meta.name!r}: {name} should be an int >= 0, got {value!r}"
-            )
+    check_int_in(f"parameter {meta.name!r}: start", start, 0)
+    check_int_in(f"parameter {meta.name!r}: stop", stop, 0)
     if stop < start:
         raise ValueError(f"parameter {meta.name!r}: stop should be >= start ({start}), got {stop}")
     length = meta.shape[dim]
@@ -91,7 +86,7 @@ def shard_box(meta: ParamMeta, dim: int, *, size: int, rank: int) -> Box:
     a tensor-parallel group). The dim's length must divide by `size`; an uneven
     split is refused: spell it with `range_box`."""
     dim = _check_dim(meta, dim)
-    size, rank = _check_group(meta, size, rank)
+    _check_group(meta, size, rank)
     length = meta.shape[dim]
     if length % size:
         raise ValueError(
@@ -119,12 +114,9 @@ def kv_heads_box(meta: ParamMeta, *, kv_heads: int, head_dim: int, size: int, ra
     With at least as many heads as ranks they split evenly (`shard_box` on dim 0);
     with fewer, each head is replicated and rank `rank` holds head
     `rank * kv_heads // size` whole."""
-    size, rank = _check_group(meta, size, rank)
-    for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"parameter {meta.name!r}: {name} should be an int >= 1, got {value!r}"
-            )
+    _check_group(meta, size, rank)
+    check_int_in(f"parameter {meta.name!r}: kv_heads", kv_heads, 1)
+    check_int_in(f"parameter {meta.name!r}: head_dim", head_dim, 1)
     rows = meta.shape[0] if meta.shape else None
     if rows != kv_heads * head_dim:
         raise ValueError(

@@ -19,9 +19,8 @@ mode from an init info or a transport. It says:
 
 Build it by composing steps: `rank0_senders` or `owner_senders` (the pieces and
 who sends them), then `with_receiver_layouts`, `via_chain` and `with_delta` where
-chosen; `build_round_plan`
-does this from `RoundChoices`. A step refuses a combination that cannot work, naming
-both settings, so no such plan exists.
+chosen; `build_round_plan` does this from `RoundChoices`. A step refuses a
+combination that cannot work, naming both settings, so no such plan exists.
 """
 
 from __future__ import annotations
