@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from asyncwt._core.meta import ParamMeta, Placement, Replicate, Shard
 from asyncwt._core.owners import Box
-from asyncwt._core.pairs import PairPlans, local_slices, pair_plan, rank0_pieces
+from asyncwt._core.pairs import PairPlans, pair_plan, rank0_pieces
 from asyncwt._core.plan import TransferPlan
 from asyncwt._core.receiver_layout import (
     ReceiverLayout,
@@ -69,61 +69,52 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Landed:
-    """What one receiver ends with: its local tensors (landed by `within`, and by
-    `local_slices`), how many times each element and byte was written, bytes received."""
+    """What one receiver ends with: its local tensors (landed by its pairs' plans),
+    how many times each byte was written, bytes received."""
 
-    by_box: dict[str, torch.Tensor]
-    by_runs: dict[str, torch.Tensor]
-    element_writes: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
     byte_writes: dict[str, torch.Tensor]
     received: int = 0
 
 
-def _simulate(pairs: PairPlans, held_local: list[dict[int, torch.Tensor]]) -> list[Landed]:
-    """Each sender cuts its pair pieces from its local tensors and packs them into
-    each pair bucket's buffer by the pair plan's slices; each receiver lands them."""
+def _simulate(rp: RoundPlan, held_local: list[dict[int, torch.Tensor]]) -> list[Landed]:
+    """Each sender packs its own buckets from its local tensors and sends each
+    receiver the pair's picks of them; each receiver lands them by its pair plan."""
+    pairs = rp.pairs
+    assert pairs is not None
     params = pairs.plan.params
+    held = rp.layout.pieces if rp.layout is not None else rank0_pieces(rp.plan)
     landed = []
     for layout in pairs.layouts:
-        shapes = {m.name: box.size for m, box in zip(params, layout.boxes)}
         landed.append(
             Landed(
-                by_box={m.name: torch.zeros(shapes[m.name], dtype=m.dtype) for m in params},
-                by_runs={m.name: torch.zeros(shapes[m.name], dtype=m.dtype) for m in params},
-                element_writes={
-                    m.name: torch.zeros(shapes[m.name], dtype=torch.int32) for m in params
+                local={
+                    m.name: torch.zeros(b.size, dtype=m.dtype) for m, b in zip(params, layout.boxes)
                 },
                 byte_writes={
-                    m.name: torch.zeros(layout.boxes[i].numel * m.dtype.itemsize, dtype=torch.int32)
-                    for i, m in enumerate(params)
+                    m.name: torch.zeros(b.numel * m.dtype.itemsize, dtype=torch.int32)
+                    for m, b in zip(params, layout.boxes)
                 },
             )
         )
     for pair in pairs.pairs:
+        share = rp.share(pair.sender)
+        assert share is not None
+        pieces = held[pair.sender]
+        sent = [_bytes(held_local[pair.sender][p.param][p.box.within(p.local)]) for p in pieces]
         into = landed[pair.receiver]
-        assembled = [
-            torch.zeros(p.box.numel * params[p.param].dtype.itemsize, dtype=torch.uint8)
-            for p in pair.pieces
-        ]
-        for bucket in pair.plan.buckets:
-            buffer = torch.zeros(bucket.buffer_bytes, dtype=torch.uint8)
-            for s in bucket.slices:  # the sender packs
-                piece = pair.pieces[s.param]
-                data = _bytes(held_local[pair.sender][piece.param][piece.cut])
-                buffer[s.offset : s.offset + s.nbytes] = data[s.start : s.end]
-            into.received += bucket.payload_bytes
-            for s in bucket.slices:  # the receiver lands
-                piece = pair.pieces[s.param]
-                meta = params[piece.param]
-                assembled[s.param][s.start : s.end] = buffer[s.offset : s.offset + s.nbytes]
-                target = _bytes_view(into.by_runs[meta.name])
-                for run in local_slices(piece, meta, s, piece.param):
-                    target[run.start : run.end] = buffer[run.offset : run.offset + run.nbytes]
-                    into.byte_writes[meta.name][run.start : run.end] += 1
-        for piece, data in zip(pair.pieces, assembled):
-            meta = params[piece.param]
-            into.by_box[meta.name][piece.land] = data.view(meta.dtype).reshape(piece.box.size)
-            into.element_writes[meta.name][piece.land] += 1
+        local_plan = pair.selection.plan
+        for bucket, picks, landing in zip(share.buckets, pair.selection.picks, local_plan.buckets):
+            payload = torch.cat([sent[s.param][s.start : s.end] for s in bucket.slices])
+            frame = torch.cat([payload[a : a + n] for a, n in picks] or [payload[:0]])
+            assert frame.numel() == landing.payload_bytes
+            into.received += frame.numel()
+            for s in landing.slices:
+                name = local_plan.params[s.param].name
+                _bytes_view(into.local[name])[s.start : s.end] = frame[
+                    s.offset : s.offset + s.nbytes
+                ]
+                into.byte_writes[name][s.start : s.end] += 1
     return landed
 
 
@@ -146,15 +137,13 @@ def _held(rp: RoundPlan, full: dict[str, torch.Tensor]) -> list[dict[int, torch.
 def _check_round(rp: RoundPlan) -> None:
     assert rp.pairs is not None
     full = _full(list(rp.plan.params))
-    landed = _simulate(rp.pairs, _held(rp, full))
+    landed = _simulate(rp, _held(rp, full))
     for receiver, (layout, got) in enumerate(zip(rp.pairs.layouts, landed)):
         assert rp.need(receiver) == layout.boxes
         assert got.received == layout.nbytes, "a receiver got other bytes than it holds"
         for meta, box in zip(rp.plan.params, layout.boxes):
             want = full[meta.name][_index(box)]
-            for way in (got.by_box, got.by_runs):
-                assert torch.equal(_bytes(way[meta.name]), _bytes(want)), (receiver, meta.name)
-            assert bool((got.element_writes[meta.name] == 1).all()), (receiver, meta.name)
+            assert torch.equal(_bytes(got.local[meta.name]), _bytes(want)), (receiver, meta.name)
             assert bool((got.byte_writes[meta.name] == 1).all()), (receiver, meta.name)
     assert rp.pairs.total_bytes == sum(layout.nbytes for layout in rp.pairs.layouts)
 
@@ -235,7 +224,11 @@ def test_every_receiver_gets_exactly_the_bytes_it_holds_each_once(rp: RoundPlan)
     assert rp.pairs is not None
     held = rp.layout.pieces if rp.layout is not None else rank0_pieces(rp.plan)
     for receiver, layout in enumerate(rp.pairs.layouts):  # a receiver builds its own pairs
-        alone = [pair_plan(rp.plan, s, pieces, receiver, layout) for s, pieces in enumerate(held)]
+        alone = [
+            pair_plan(share, s, pieces, receiver, layout, digest=rp.round_digest)
+            for s, pieces in enumerate(held)
+            if (share := rp.share(s)) is not None
+        ]
         assert [p for p in alone if p is not None] == list(rp.pairs.to_receiver(receiver))
     for layout in rp.pairs.layouts:  # and each declaration travels as JSON unchanged
         assert ReceiverLayout.from_wire(rp.plan, json.loads(json.dumps(layout.to_wire()))) == layout
@@ -263,17 +256,29 @@ def test_tp_receivers_of_an_fsdp_trainer_get_their_rows_from_the_ranks_that_hold
     rp = with_receiver_layouts(owner_senders(plan, world_size=2), layouts)
     _check_round(rp)
     assert rp.pairs is not None
-    sent = {(p.sender, p.receiver): [(q.param, q.box) for q in p.pieces] for p in rp.pairs.pairs}
-    assert sent[(0, 0)] == [
-        (0, Box((0, 0), (2, 6))),
-        (1, Box((0, 0), (2, 3))),
-        (2, Box((0,), (3,))),
-    ]
-    assert sent[(1, 0)] == [(1, Box((2, 0), (2, 3))), (2, Box((3,), (3,)))]  # no rows of 'rows'
+    sent = {
+        (p.sender, p.receiver): [(m.name, m.shape) for m in p.selection.plan.params]
+        for p in rp.pairs.pairs
+    }
+    # Each pair lands in the receiver's tensors, shaped as its boxes (the same ones
+    # whichever rank sends); rank 1 holds none of receiver 0's rows of 'rows' (its
+    # rows are 2 and 3), so that pair lands nothing in it.
+    assert sent[(0, 0)] == sent[(1, 0)] == [("rows", (2, 6)), ("cols", (4, 3)), ("norm", (6,))]
+    landed = {s.param for b in rp.pairs.pair(1, 0).selection.plan.buckets for s in b.slices}  # type: ignore[union-attr]
+    assert landed == {1, 2}
+    sizes = {(p.sender, p.receiver): p.total_bytes for p in rp.pairs.pairs}
+    assert sizes[(0, 0)] == (12 + 6 + 3) * 4 and sizes[(1, 0)] == (6 + 3) * 4
     assert rp.pairs.total_bytes == 2 * (12 + 12 + 6) * 4  # each receiver its half, norm whole
     edge = rp.pairs.pair(1, 0)
-    assert edge is not None and edge.pieces[0].cut == (slice(0, 2), slice(0, 3))  # rank 1's rows
-    assert edge.pieces[0].land == (slice(2, 4), slice(0, 3))
+    assert edge is not None
+    (bucket,) = [b for b in edge.selection.plan.buckets if b.slices]
+    # rank 1's rows 2 and 3 of receiver 0's columns: bytes 24.. of its (4, 3) tensor,
+    # a run per row (half of each of rank 1's rows), then the second half of 'norm'
+    assert [(s.param, s.start, s.nbytes) for s in bucket.slices] == [
+        (1, 24, 12),
+        (1, 36, 12),
+        (2, 12, 12),
+    ]
 
 
 # --- edges, digest, choices -----------------------------------------------------------------
@@ -342,10 +347,10 @@ def test_the_digest_is_stable_and_sees_every_layout() -> None:
         a.digest
         == with_receiver_layouts(owner_senders(plan, world_size=2), _layouts(plan, 0)).digest
     )
-    assert (
-        a.pairs is not None
-        and a.pairs.digest == PairPlans.build(plan, a.layout.pieces, rows).digest
-    )  # type: ignore[union-attr]
+    assert a.pairs is not None and a.layout is not None
+    shares = [a.share(rank) for rank in range(2)]
+    again = PairPlans.build(plan, shares, a.layout.pieces, rows, digest=a.round_digest)
+    assert a.pairs.digest == again.digest
     digests = {
         a.digest,
         with_receiver_layouts(owner_senders(plan, world_size=2), cols).digest,
@@ -377,13 +382,16 @@ def test_the_digests_cover_the_pairs_and_the_declarations_themselves() -> None:
         )
         for dim in (0, 1)
     ]
-    first, second = (PairPlans.build(plan, rank0_pieces(plan), [n]) for n in nothing)
+    first, second = (
+        PairPlans.build(plan, [plan], rank0_pieces(plan), [n], digest=plan.digest) for n in nothing
+    )
     assert first.pairs == second.pairs == ()
     assert first.digest != second.digest  # the same bytes (none), declared otherwise
     one, two = a.pairs.pairs  # rank 0 to each receiver: their rows
     assert len({one.digest, two.digest, dataclasses.replace(two, receiver=0).digest}) == 3
-    moved = dataclasses.replace(one.pieces[0], target=Box((0, 0), (4, 6)))  # lands elsewhere
-    assert dataclasses.replace(one, pieces=(moved, *one.pieces[1:])).digest != one.digest
+    # The same bytes picked, landed elsewhere: another pair.
+    landed = dataclasses.replace(one.selection, plan=two.selection.plan)
+    assert dataclasses.replace(one, selection=landed).digest != one.digest
 
 
 def test_build_round_plan_takes_the_layouts_when_receivers_are_sliced() -> None:
@@ -405,22 +413,15 @@ def test_build_round_plan_takes_the_layouts_when_receivers_are_sliced() -> None:
         )
         assert built == with_receiver_layouts(base, layouts)
         assert built.choices.receivers == "sliced"
+    # Without layouts the receivers declare theirs at init: the needs come then.
+    pending = build_round_plan(
+        plan.params, bucket_bytes=64, alignment=16, choices=RoundChoices(receivers="sliced")
+    )
+    assert pending.choices.receivers == "whole" and pending.pairs is None
     with pytest.raises(
         ValueError,
-        match=(
-            r"^layouts should be given exactly when receivers='sliced', got "
-            r"receivers='sliced' with no layouts$"
-        ),
-    ):
-        build_round_plan(
-            plan.params, bucket_bytes=64, alignment=16, choices=RoundChoices(receivers="sliced")
-        )
-    with pytest.raises(
-        ValueError,
-        match=(
-            r"^layouts should be given exactly when receivers='sliced', got "
-            r"receivers='whole' with 2 layouts$"
-        ),
+        match=r"^layouts should be given only with receivers='sliced', got receivers='whole' "
+        r"with 2 layouts$",
     ):
         build_round_plan(
             plan.params, bucket_bytes=64, alignment=16, choices=RoundChoices(), layouts=layouts

@@ -4,6 +4,8 @@ A trainer init info describes its modes as `{setting: Mode}` (`modes()`: only th
 settings its backend has). `check_modes` refuses the first pair that `REFUSED`
 lists, naming both settings and their values. A combination a backend cannot
 express (a field it does not have) needs no rule: its type makes it impossible.
+`NOT_BUILT` lists pairs a round plan can describe but no engine runs yet (owner
+senders to sliced receivers): init infos refuse those too, plans do not.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["REFUSED", "Mode", "Refusal", "check_modes"]
+__all__ = ["NOT_BUILT", "REFUSED", "Mode", "Refusal", "check_modes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,14 @@ REFUSED: tuple[Refusal, ...] = (
         "a delta round's base is the whole tensor on every receiver, and per-slice bases "
         "are not built yet (delta=None)",
     ),
+)
+"""Every refused pair of modes (delta, senders, fanout, on_worker_failure, receivers).
+
+`receivers` is tcp's `fanout=Star(slices=True)` on an init info (each receiver then
+declares its slice); a round plan built by hand meets the same pairs
+(`asyncwt._core.round_plan.refuse`)."""
+
+NOT_BUILT: tuple[Refusal, ...] = (
     Refusal(
         "receivers",
         "sliced",
@@ -108,16 +118,14 @@ REFUSED: tuple[Refusal, ...] = (
         "(on_worker_failure='fail')",
     ),
 )
-"""Every refused pair of modes (delta, senders, fanout, on_worker_failure, receivers).
-
-`receivers` is tcp's `fanout=Star(slices=True)` on an init info (each receiver then
-declares its slice); a round plan built by hand meets the same pairs
-(`asyncwt._core.round_plan.refuse`)."""
+"""Pairs a round plan can describe but no engine runs yet: an init info refuses them
+too (`check_modes(..., built=True)`), a round plan (data) does not."""
 
 
-def check_modes(modes: Mapping[str, Mode]) -> None:
-    """Raise `ValueError` on the first pair of `modes` that `REFUSED` lists."""
-    for rule in REFUSED:
+def check_modes(modes: Mapping[str, Mode], *, built: bool = False) -> None:
+    """Raise `ValueError` on the first pair of `modes` that `REFUSED` lists (and, for
+    settings an engine is built from, `built`, that `NOT_BUILT` lists)."""
+    for rule in REFUSED + NOT_BUILT if built else REFUSED:
         first, second = modes.get(rule.first), modes.get(rule.second)
         if first is None or second is None:
             continue

@@ -1,13 +1,14 @@
 """Slices to slices: what each sender sends each receiver that declared its layout (sans-I/O).
 
 Each sending trainer rank holds pieces (`SharePiece`: a box of a full parameter,
-cut from the rank's local box): rank 0 every parameter whole (`rank0_pieces`), or
-with owner senders what `OwnersLayout` gives each rank, every byte held once. Each
-receiver holds one box per parameter (`ReceiverLayout`). For each (sender,
-receiver) pair, the bytes to move are the intersections of the two, one
-`PairPiece` per parameter they share, in parameter order; they travel in a
-`TransferPlan` built as the owner ranks' share plans are (`piece_plan`: one
-`ParamMeta` per piece). A pair sharing nothing has no plan and no edge.
+cut from the rank's local box) and carries them in its own plan: rank 0 every
+parameter whole (`rank0_pieces`, the full plan), or with owner senders what
+`OwnersLayout` gives each rank (its share plan), every byte held once. Each
+receiver holds one box per parameter (`ReceiverLayout`). A (sender, receiver)
+pair moves exactly the bytes both hold: the sender picks them from its own
+buckets and the receiver lands them by a plan of its local tensors, both as
+`asyncwt._core.slices.select` derives them. A pair sharing nothing has no plan
+and no edge.
 
 A receiver then gets from all senders together exactly the bytes it holds, each
 once: the senders' pieces do not overlap and cover every parameter.
@@ -19,12 +20,12 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .meta import ParamMeta
-from .owners import Box, SharePiece, full_slices, piece_plan
-from .plan import Slice, TransferPlan
+from .owners import SharePiece
+from .plan import TransferPlan
 from .receiver_layout import ReceiverLayout, whole_box
+from .slices import Selection, select
 
-__all__ = ["PairPiece", "PairPlan", "PairPlans", "local_slices", "pair_plan", "rank0_pieces"]
+__all__ = ["PairPlan", "PairPlans", "pair_plan", "rank0_pieces"]
 
 PAIRS_FORMAT = 1
 
@@ -36,91 +37,60 @@ def rank0_pieces(plan: TransferPlan) -> tuple[tuple[SharePiece, ...]]:
 
 
 @dataclass(frozen=True, slots=True)
-class PairPiece:
-    """What one sender sends one receiver of one parameter: `box` of the full tensor,
-    cut from the sender's `source` box and landed in the receiver's `target` box."""
-
-    param: int
-    """Index of the parameter in the full plan."""
-    box: Box
-    source: Box
-    """The block the sender's local tensor holds (`iter_local`'s, or the full tensor)."""
-    target: Box
-    """The block the receiver's local tensor holds (its `ReceiverLayout` box)."""
-
-    @property
-    def cut(self) -> tuple[slice, ...]:
-        """Where `box` lies in the sender's local tensor."""
-        return self.box.within(self.source)
-
-    @property
-    def land(self) -> tuple[slice, ...]:
-        """Where `box` lands in the receiver's local tensor."""
-        return self.box.within(self.target)
-
-
-@dataclass(frozen=True, slots=True)
 class PairPlan:
-    """The bytes one sender sends one receiver each round, and how they are packed."""
+    """The bytes one sender sends one receiver each round: picked from the sender's
+    own buckets, landed by the receiver's plan of its local tensors (`Selection`)."""
 
     sender: int
     """The sending trainer rank."""
     receiver: int
     """The receiver's index (its place in the round's receivers)."""
-    pieces: tuple[PairPiece, ...]
-    """In parameter order; a slice's `param` in `plan` indexes these."""
-    plan: TransferPlan
-    """The buckets the pieces travel in (one `ParamMeta` per piece)."""
+    selection: Selection
 
     @property
     def total_bytes(self) -> int:
         """Payload bytes this pair moves each round."""
-        return self.plan.total_bytes
+        return self.selection.total_bytes
 
     @property
     def digest(self) -> str:
-        """Over the pair, every piece's boxes and the plan: what the two ends of the
-        pair compare, each having built it (`pair_plan`)."""
-        h = hashlib.sha256(
-            f"asyncwt-pair/{PAIRS_FORMAT}|{self.sender}|{self.receiver}|{self.plan.digest}\n".encode()
-        )
-        for p in self.pieces:
-            h.update(f"{p.param}|{p.box}|{p.source}|{p.target}\n".encode())
+        """Over the pair, the picks and the receiver's plan (its tensors and slices):
+        what the two ends of the pair compare, each having built it (`pair_plan`)."""
+        h = hashlib.sha256(f"asyncwt-pair/{PAIRS_FORMAT}|{self.sender}|{self.receiver}\n".encode())
+        for index, ranges in enumerate(self.selection.picks):
+            h.update(f"picks|{index}|{ranges}\n".encode())
+        plan = self.selection.plan
+        for meta in plan.params:
+            h.update(f"local|{meta.name}|{meta.shape}\n".encode())
+        for bucket in plan.buckets:
+            h.update(f"bucket|{bucket.index}|{bucket.slices}\n".encode())
         return h.hexdigest()
 
 
 def pair_plan(
-    plan: TransferPlan,
+    share: TransferPlan,
     sender: int,
     held: Sequence[SharePiece],
     receiver: int,
     layout: ReceiverLayout,
+    *,
+    digest: str,
 ) -> PairPlan | None:
-    """What `sender`, holding `held`, sends `receiver`, holding `layout`: the
-    intersections, one per parameter they share, in parameter order, packed as the
-    owner ranks' shares are (`piece_plan`); None when they share no byte. A receiver
-    builds its own pairs with this alone (it needs no other receiver's layout)."""
-    found = []
-    for piece in sorted(held, key=lambda p: (p.param, p.box.start)):
-        target = layout.boxes[piece.param]
-        box = piece.box.intersection(target)
-        if box is not None:
-            found.append(PairPiece(piece.param, box, piece.local, target))
-    if not found:
+    """What `sender`, whose plan `share` carries `held` (one piece per parameter of
+    `share`, in order), sends `receiver`, holding `layout`: `select`'s picks of its
+    buckets; None when they share no byte. A receiver builds its own pairs with this
+    alone (it needs no other receiver's layout). `digest` names the receiver's plan
+    (the round's, as the links check it)."""
+    if len(held) != len(share.params):
+        raise ValueError(
+            f"held should have one piece per parameter of the share ({len(share.params)}), "
+            f"got {len(held)}"
+        )
+    wants = [layout.box(meta.name) for meta in share.params]
+    selection = select(share, [piece.box for piece in held], wants, digest=digest)
+    if not selection.total_bytes:
         return None
-    return PairPlan(
-        sender, receiver, tuple(found), piece_plan(plan, [(p.param, p.box) for p in found])
-    )
-
-
-def local_slices(piece: PairPiece, meta: ParamMeta, pair_slice: Slice, param: int) -> list[Slice]:
-    """Where the piece bytes of `pair_slice` go in the receiver's local tensor of the
-    full parameter `meta` (index `param`): one `Slice` per contiguous run, as
-    `full_slices` finds them in a full tensor (its `offset` in the pair bucket's buffer)."""
-    target = piece.target
-    relative = Box(tuple(b - t for b, t in zip(piece.box.start, target.start)), piece.box.size)
-    local = ParamMeta(meta.name, meta.dtype, target.size)
-    return full_slices(SharePiece(param, 0, relative, target), local, pair_slice, param)
+    return PairPlan(sender, receiver, selection)
 
 
 @dataclass(frozen=True)
@@ -143,10 +113,15 @@ class PairPlans:
     def build(
         cls,
         plan: TransferPlan,
+        shares: Sequence[TransferPlan | None],
         held: Sequence[Sequence[SharePiece]],
         layouts: Sequence[ReceiverLayout],
+        *,
+        digest: str,
     ) -> PairPlans:
-        """The pairs of senders holding `held[rank]` and receivers holding `layouts`.
+        """The pairs of senders whose plans `shares[rank]` (None: it sends nothing)
+        carry `held[rank]` and of
+        receivers holding `layouts`; the receivers' plans are named `digest`.
 
         `held`'s pieces must not overlap (each byte is sent once), as `rank0_pieces`
         and `OwnersLayout.pieces` give them; each layout must be of `plan`'s
@@ -157,9 +132,11 @@ class PairPlans:
             _check_same_params(plan, layout, index)
         pairs = [
             pair
-            for sender, pieces in enumerate(held)
+            for sender, (share, pieces) in enumerate(zip(shares, held))
+            if share is not None  # a rank that holds nothing sends nothing
             for receiver, layout in enumerate(layouts)
-            if (pair := pair_plan(plan, sender, pieces, receiver, layout)) is not None
+            if (pair := pair_plan(share, sender, pieces, receiver, layout, digest=digest))
+            is not None
         ]
         h = hashlib.sha256(
             f"asyncwt-pairs/{PAIRS_FORMAT}|{plan.digest}|{len(held)}|{len(layouts)}\n".encode()

@@ -402,7 +402,8 @@ def with_receiver_layouts(rp: RoundPlan, layouts: Sequence[ReceiverLayout]) -> R
     (its base is the whole tensor on every receiver), naming both settings.
     """
     held = rp.layout.pieces if rp.layout is not None else rank0_pieces(rp.plan)
-    pairs = PairPlans.build(rp.plan, held, layouts)
+    shares = [rp.share(rank) for rank in range(len(held))]
+    pairs = PairPlans.build(rp.plan, shares, held, layouts, digest=rp.round_digest)
     needs = tuple(Need(receiver=i, boxes=layout.boxes) for i, layout in enumerate(pairs.layouts))
     return dataclasses.replace(rp, needs=needs, pairs=pairs)._digested()
 

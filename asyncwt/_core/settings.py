@@ -89,7 +89,7 @@ class PipelineSettings:
         check_at_most("num_buffers", self.num_buffers, MAX_NUM_BUFFERS)
         check_group("timeouts", self.timeouts, Timeouts)
         check_group("tuning", self.tuning, Tuning)
-        check_modes(self.modes())
+        check_modes(self.modes(), built=True)
 
     def modes(self) -> dict[str, Mode]:
         """The fleet modes these settings choose, by setting (`asyncwt._core.modes`):

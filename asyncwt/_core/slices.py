@@ -63,18 +63,6 @@ def whole_box(shape: Sequence[int]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    """The box both `a` and `b` cover (None when they share no element)."""
-    start, size = [], []
-    for a0, an, b0, bn in zip(a.start, a.size, b.start, b.size):
-        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
-        if hi <= lo:
-            return None
-        start.append(lo)
-        size.append(hi - lo)
-    return Box(tuple(start), tuple(size))
-
-
 def _strides(size: Sequence[int]) -> list[int]:
     strides, step = [], 1
     for n in reversed(size):
@@ -89,7 +77,7 @@ def box_runs(held: Box, want: Box, itemsize: int) -> list[Run]:
     row-major), in `src` order. Empty when the boxes share no element."""
     if not held.size:  # a 0-d tensor: one element, held whole by both
         return [Run(0, 0, itemsize)]
-    inter = intersect(held, want)
+    inter = held.intersection(want)
     if inter is None:
         return []
     ndim = len(inter.size)
