@@ -34,7 +34,7 @@ def test_frame_rejects_bad_magic_and_unknown_kind() -> None:
         Frame.unpack(b"XXXX" + bytes(data[4:]))
     data[4] = 99
     with pytest.raises(
-        ProtocolError, match=r"^frame kind 99 is not one of \[1, 2, 3, 4, 5, 6, 7, 8, 9\]$"
+        ProtocolError, match=r"^frame kind 99 is not one of \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\]$"
     ):
         Frame.unpack(bytes(data))
 
