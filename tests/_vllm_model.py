@@ -48,9 +48,10 @@ def build_tokenizer(path: Path) -> int:
     return int(tokenizer.get_vocab_size())
 
 
-def build_model(vocab_size: int, seed: int) -> Any:
+def build_model(vocab_size: int, seed: int, *, kv_heads: int = HEADS, tie: bool = False) -> Any:
     """A float32 `LlamaForCausalLM` with weights drawn from `seed` (typed `Any`: a
-    transformers model)."""
+    transformers model); `kv_heads` below `HEADS` shares each kv head among query
+    heads, `tie` ties the output head to the embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -59,9 +60,9 @@ def build_model(vocab_size: int, seed: int) -> Any:
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         bos_token_id=0,
         eos_token_id=1,
         dtype="float32",
@@ -85,10 +86,12 @@ def reseed(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.2 * values)
 
 
-def save_tiny_llama(path: Path, seed: int = 0) -> Any:
-    """Write the tokenizer and a model drawn from `seed` to `path`; return the model."""
-    vocab_size = build_tokenizer(path)
-    model = build_model(vocab_size, seed)
+def save_tiny_llama(path: Path, seed: int = 0, *, vocab: int = 0, **shape: Any) -> Any:
+    """Write the tokenizer and a model drawn from `seed` to `path`; return the model.
+    `vocab` (at least the tokenizer's) pads the vocabulary; `shape` goes to
+    `build_model`."""
+    vocab_size = max(build_tokenizer(path), vocab)
+    model = build_model(vocab_size, seed, **shape)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

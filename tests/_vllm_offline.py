@@ -2,6 +2,10 @@
 
     python tests/_vllm_offline.py MODEL_DIR '{"backend": "tcp", "prompts": [[...]], "max_tokens": N}'
 
+Optional keys: `"tp": 2` (tensor parallel, the "mp" executor), `"slices": true` (each
+rank receives only its slices: `fanout=Star(slices=True)`), `"shape": {...}` (the
+model's `build_model` keywords, as the checkpoint was saved with).
+
 Builds an `LLM` on the CPU with the weight-transfer backend `asyncwt_<backend>`
 in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), then pushes
 rounds with `WeightTransferTrainerFactory.trainer_init(VllmTrainerInitInfo(...))`, a
@@ -25,16 +29,18 @@ def main(model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from asyncwt import ShmTrainerInitInfo, TcpTrainerInitInfo, TorchDistTrainerInitInfo
+    from asyncwt import ShmTrainerInitInfo, Star, TcpTrainerInitInfo, TorchDistTrainerInitInfo
     from asyncwt._vllm.trainer import LLMClient, VllmTrainerInitInfo
 
     started = time.perf_counter()
+    tp = spec.get("tp", 1)
     llm = LLM(
         model=model_dir,
         dtype="float32",
         enforce_eager=True,
         max_model_len=128,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
         seed=0,
         weight_transfer_config={"backend": "asyncwt_" + spec["backend"]},
     )
@@ -56,14 +62,16 @@ def main(model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     record("original")
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-    trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
+    shape = spec.get("shape", {})
+    trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1, **shape)
     info_cls = {
         "tcp": TcpTrainerInitInfo,
         "shm": ShmTrainerInitInfo,
         "torch_dist": TorchDistTrainerInitInfo,
     }[spec["backend"]]
+    settings = {"fanout": Star(slices=True)} if spec.get("slices") else {}
     engine = WeightTransferTrainerFactory.trainer_init(
-        VllmTrainerInitInfo(info_cls(rank=0)),
+        VllmTrainerInitInfo(info_cls(rank=0, **settings)),
         client=LLMClient(llm),
         source=ModuleSource(trainer_model),
     )
@@ -75,8 +83,11 @@ def main(model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
             else:
                 _vllm_model.reseed(trainer_model, seed)
             t0 = time.perf_counter()
-            engine.send_weights(weight_version=label)
+            stats = engine.send_weights(weight_version=label)
             record(label, time.perf_counter() - t0)
+            result["steps"][-1].update(
+                bytes=stats.bytes, wire_bytes=stats.wire_bytes, workers=stats.workers
+            )
     finally:
         engine.shutdown()
     return result

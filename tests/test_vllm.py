@@ -46,6 +46,7 @@ from asyncwt import (
     HttpClient,
     ModuleSource,
     ParamMeta,
+    Star,
     TcpTrainerInitInfo,
     WeightSource,
     trainer_init,
@@ -741,3 +742,120 @@ async def test_adapter_rounds_into_the_openai_server_serve_model_by_name(
             f"{what} round into the OpenAI server ({done[0].bytes} bytes): median "
             f"{walls[len(walls) // 2] * 1e3:.2f} ms, min {walls[0] * 1e3:.2f} ms"
         )
+
+
+# --- tensor parallelism: each rank receives only its slices (issue 35) -----------------------
+
+TP_SHAPE = {"kv_heads": 1, "tie": True}
+"""One kv head for two ranks (each holds it whole), the head tied to the embedding."""
+TP_VOCAB = 400
+"""Past the tokenizer's 384: vLLM pads the vocabulary to 448, so rank 1's rows end
+short of its part."""
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+WIRE_BAR = 1.15
+"""Issue 35: a round puts at most this many times the model's bytes on the wire."""
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(vllm_tmp: Path) -> Path:
+    path = vllm_tmp / "tiny-llama-tp"
+    path.mkdir()
+    _vllm_model.save_tiny_llama(path, seed=0, vocab=TP_VOCAB, **TP_SHAPE)
+    return path
+
+
+@pytest.fixture
+def vllm_shm_cleanup() -> Iterator[None]:
+    """vLLM's multiprocess executor leaves its ranks' shared-memory segments behind
+    when it kills them: remove the ones this test made."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_dist_*")) if shm.is_dir() else set()
+    try:
+        yield
+    finally:
+        if shm.is_dir():
+            for path in set(shm.glob("vllm_dist_*")) - before:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+@needs_vllm
+@pytest.mark.usefixtures("vllm_shm_cleanup")
+def test_tp2_ranks_each_receive_their_slices_and_generate_as_hf(
+    tp_model_dir: Path, vllm_tmp: Path, prompts: list[list[int]]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    env = {**vllm_env(vllm_tmp), **TP_ENV}
+    spec = json.dumps(
+        {
+            "backend": "tcp",
+            "prompts": prompts,
+            "max_tokens": MAX_TOKENS,
+            "tp": 2,
+            "slices": True,
+            "shape": TP_SHAPE,
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "_vllm_offline.py"), str(tp_model_dir), spec],
+        env=env, capture_output=True, text=True, timeout=500, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+
+    original = AutoModelForCausalLM.from_pretrained(tp_model_dir, dtype=torch.float32).eval()
+    trainer_model = _vllm_model.build_model(TP_VOCAB, seed=1, **TP_SHAPE)
+    expected = {"original": expected_tokens(original, prompts)}
+    for label, seed in (("v1", 1), ("v2", 2)):
+        _vllm_model.reseed(trainer_model, seed)
+        expected[label] = expected_tokens(trainer_model, prompts)
+        assert expected[label] != expected["original"]
+    expected["v3"] = expected["original"]
+    steps = {step["label"]: step for step in result["steps"]}
+    assert list(steps) == ["original", "v1", "v2", "v3"]
+    for label, step in steps.items():
+        assert step["tokens"] == expected[label], label
+        if label == "original":
+            continue
+        assert step["weight_version"] == label
+        wire = step["wire_bytes"] * step["workers"]  # the mean per rank, times the ranks
+        assert step["workers"] == 2
+        assert wire <= WIRE_BAR * step["bytes"], (wire, step["bytes"])
+        print(
+            f"push {label} into TP=2 ranks, sliced: {wire} bytes on the wire for a model of "
+            f"{step['bytes']} ({wire / step['bytes']:.3f}x; whole: 2.000x)"
+        )
+
+
+@needs_vllm
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # one server start is enough
+@pytest.mark.usefixtures("vllm_shm_cleanup")
+async def test_a_tp2_openai_server_serves_the_sliced_pushes_as_hf(
+    tp_model_dir: Path, vllm_tmp: Path, prompts: list[list[int]]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(tp_model_dir, dtype=torch.float32).eval()
+    trainer_model = _vllm_model.build_model(TP_VOCAB, seed=1, **TP_SHAPE)
+    args = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    with run_vllm_server(tp_model_dir, vllm_tmp, "server-tp2.log", *args, **TP_ENV) as url:
+        async with fresh_session() as session:
+            assert await served_tokens(session, url, prompts) == expected_tokens(original, prompts)
+            client = HttpClient(url)
+            info = TcpTrainerInitInfo(rank=0, fanout=Star(slices=True))
+            engine = await trainer_init(info, client=client, source=ModuleSource(trainer_model))
+            try:
+                for version, seed in (("v1", 1), ("v2", 2)):
+                    _vllm_model.reseed(trainer_model, seed)
+                    stats = await engine.send_weights(weight_version=version)
+                    assert stats.workers == 2  # both ranks of the one server
+                    assert stats.wire_bytes * stats.workers <= WIRE_BAR * stats.bytes
+                    expected = expected_tokens(trainer_model, prompts)
+                    assert await served_tokens(session, url, prompts) == expected
+                    assert await served_version(session, url) == version
+            finally:
+                await engine.shutdown()
+                await client.shutdown()
+                await client.close()

@@ -50,7 +50,9 @@ from .._core.plan import TransferPlan
 from .._core.settings import RoundUpdateInfo
 from .._core.worker_api import WeightTransferConfig
 from .._worker.engine import DeferredWorkerEngine
+from .._worker.slices import LAYOUT_ATTRIBUTE
 from .adapters import publish
+from .slices import SlicedLoading, rank_boxes, refresh_tied_lm_head
 
 __all__ = ["VLLM_BACKEND_PREFIX", "VllmRoundMixin", "vllm_backend_name", "vllm_worker_engine_class"]
 
@@ -110,14 +112,32 @@ class VllmRoundMixin(DeferredWorkerEngine):
     ) -> None:
         # vLLM's config carries only the backend's (vLLM) name. One apply thread:
         # vLLM's layerwise loaders keep per-layer state that is not thread-safe.
+        self._sliced = SlicedLoading()
         own = WeightTransferConfig(
-            backend=self.asyncwt_backend, apply_threads=1, transform=_own_copy
+            backend=self.asyncwt_backend, apply_threads=1, transform=self._loader_tensor
         )
         super().__init__(own, vllm_config, device, model)
         self.vllm_weight_transfer_config = config
         """The `WeightTransferConfig` vLLM built this engine with."""
         self._layerwise = False
         self._apply_failure: BaseException | None = None
+
+    def _loader_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What vLLM's loaders get of a received tensor: its own copy, and, for a
+        slice this rank holds, that copy standing in for the full tensor."""
+        return self._sliced.wrap(name, _own_copy(name, tensor))
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        """Join the trainer (see the base class). When the trainer sends slices, this
+        rank declares the box of each checkpoint tensor its parallel layers hold
+        (`rank_boxes`), and receives only those bytes."""
+        plan = init_info.transfer_plan
+        boxes = rank_boxes(self.model) if init_info.slices else {}
+        full = {meta.name: meta.shape for meta in plan.params}
+        declared = {name: box for name, box in boxes.items() if name in full}
+        setattr(self.model, LAYOUT_ATTRIBUTE, declared)  # the worker's side of the plan reads it
+        self._sliced.declare(declared, full)
+        super().init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
         """Begin a round: drain an abandoned one. The model is not touched yet."""
@@ -224,6 +244,7 @@ class VllmRoundMixin(DeferredWorkerEngine):
             _forget_partial_layers(self.model)
         finalize: Any = finalize_layerwise_reload  # untyped in vLLM
         finalize(self.model, self.model_config)
+        refresh_tied_lm_head(self.model)
 
 
 def _forget_partial_layers(model: torch.nn.Module) -> None:
