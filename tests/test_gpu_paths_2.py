@@ -504,7 +504,7 @@ def test_a_shard1_block_lands_in_a_few_strided_copies_not_one_per_row(
     meta = ParamMeta("w", torch.float32, (ROWS, COLS), owners=(0, 1), placements=(Shard(1),))
     plan = TransferPlan.build([meta], bucket_bytes=1 << 16)  # rows of 100 B: cut mid-row
     layout = OwnersLayout.build(plan, 2)
-    receiver = OwnersReceiver(layout, [])
+    receiver = OwnersReceiver.of_shares(layout, [])
     model = _Loader((ROWS, COLS)) if loader else _Plain((ROWS, COLS))
     target = ModelTarget.resolve(model, plan, None, in_place=False)
     received = []

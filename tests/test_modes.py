@@ -111,18 +111,19 @@ def test_a_setting_an_info_lacks_matches_no_rule() -> None:
         check_modes({"delta": Mode("on", "Delta()"), "fanout": Mode("chain", "X")})
 
 
-def test_sliced_receivers_run_only_with_rank0_star_raw_and_fail() -> None:
-    """`fanout=Star(slices=True)`: Chain cannot carry it; delta, owners and drop are
-    refused, naming the setting as written."""
+def test_sliced_receivers_run_with_either_senders_over_the_star_raw_and_fail() -> None:
+    """`fanout=Star(slices=True)`: Chain cannot carry it; delta and drop are refused,
+    naming the setting as written; rank 0 and owner senders both run it."""
     choices = {**_TCP_CHOICES, "fanout": [Star(slices=True)]}
     allowed = [c for c in _combinations(choices) if _refused(TcpTrainerInitInfo, c) is None]
     assert allowed == [
         {
             "delta": None,
-            "senders": "rank0",
+            "senders": senders,
             "fanout": Star(slices=True),
             "on_worker_failure": "fail",
         }
+        for senders in ("rank0", "owners")
     ]
     message = _refused(TcpTrainerInitInfo, {"fanout": Star(slices=True), "delta": True})
     assert message is not None

@@ -3,7 +3,11 @@ tensor-parallel rank's shards, declares them, and receives exactly their bytes."
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import _dist
 import _slice_models as sm
+import _sliced_owners
 import pytest
 from _faults import info_for, worker_env
 
@@ -83,3 +87,36 @@ async def test_a_worker_declaring_a_box_outside_a_parameter_fails_its_init_namin
             info = info_for("tcp", fanout=Star(slices=True))
             with pytest.raises(ControlPlaneError, match=r"box of 'up.bias' should lie inside"):
                 await trainer_init(info, client=client, source=ModuleSource(model))
+
+
+@pytest.mark.slow
+def test_two_owner_ranks_send_each_tp_worker_only_its_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M:N: two FSDP-like owner ranks (each its `Shard(0)` rows) to two tensor-parallel
+    workers: every worker holds exactly its shards after each round, and the ranks
+    together send each worker the bytes of the boxes it declared, no more."""
+    env = worker_env()
+    with (
+        worker_process("_slice_models:rank0_of_2", env=env) as url0,
+        worker_process("_slice_models:rank1_of_2", env=env) as url1,
+    ):
+        monkeypatch.setenv("ASYNCWT_TEST_WORKERS", f"{url0},{url1}")
+        ranks = _dist.run_ranks(_sliced_owners.sliced_owners, 2, tmp_path, timeout_s=120)
+    for rank, record in enumerate(ranks):
+        assert "error" not in record, f"rank {rank}:\n{record.get('error')}"
+        assert len(record["rounds"]) == _sliced_owners.ROUNDS
+    for r, row in enumerate(ranks[0]["rounds"], start=1):
+        versions = [version for version, _ in row["workers"]]
+        checksums = [checksum for _, checksum in row["workers"]]
+        assert versions == [f"v{r}"] * 2
+        assert checksums == row["expected"]
+        # Both ranks send (each holds half of every parameter's rows); together, each
+        # worker's bytes on average: the declared boxes' bytes.
+        sent = [record["rounds"][r - 1]["wire_bytes"] for record in ranks]
+        assert all(sent), sent
+        assert sum(sent) == (held_bytes(0, 2) + held_bytes(1, 2)) // 2
+    # Per worker, the pairs of both ranks carry exactly the bytes of its boxes.
+    for index in (0, 1):
+        key = str(sm.boxes(index, 2)["embed.weight"])
+        assert sum(record["pairs"][key] for record in ranks) == held_bytes(index, 2)

@@ -4,8 +4,8 @@ A trainer init info describes its modes as `{setting: Mode}` (`modes()`: only th
 settings its backend has). `check_modes` refuses the first pair that `REFUSED`
 lists, naming both settings and their values. A combination a backend cannot
 express (a field it does not have) needs no rule: its type makes it impossible.
-`NOT_BUILT` lists pairs a round plan can describe but no engine runs yet (owner
-senders to sliced receivers): init infos refuse those too, plans do not.
+`NOT_BUILT` lists pairs a round plan can describe but no engine runs yet (sliced
+receivers in a tracked fleet): init infos refuse those too, plans do not.
 """
 
 from __future__ import annotations
@@ -101,14 +101,6 @@ declares its slice); a round plan built by hand meets the same pairs
 (`asyncwt._core.round_plan.refuse`)."""
 
 NOT_BUILT: tuple[Refusal, ...] = (
-    Refusal(
-        "receivers",
-        "sliced",
-        "senders",
-        "owners",
-        "with sliced receivers rank 0 sends every worker its boxes; owner ranks reading "
-        "each worker's layout are not built yet (senders='rank0')",
-    ),
     Refusal(
         "receivers",
         "sliced",

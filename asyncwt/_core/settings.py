@@ -138,7 +138,8 @@ class WorkerPlanInfo(WeightTransferInitInfo):
     slices: bool = False
     """The trainer sends each worker only the boxes it holds: the worker declares
     them (its model's `asyncwt_layout`, see `asyncwt._worker.slices`) after the
-    handshake. A worker that holds everything whole declares that."""
+    handshake, on every sending rank's link. A worker that holds everything whole
+    declares that."""
 
     adapter_config: AdapterConfig | None = field(init=False, repr=False, compare=False)
     """`adapter` parsed (and checked) while parsing; None for model weights."""
@@ -157,10 +158,9 @@ class WorkerPlanInfo(WeightTransferInitInfo):
         check_trainer_id(self.trainer_id)
         check_bool("partial", self.partial)
         check_bool("slices", self.slices)
-        if self.slices and (self.owners is not None or self.adapter is not None):
+        if self.slices and self.adapter is not None:
             raise ValueError(
-                "slices are sent by rank 0 and only for model weights: owners and adapter "
-                "should be None with slices=True"
+                "slices are sent only for model weights: adapter should be None with slices=True"
             )
         if self.owners is not None and not isinstance(self.owners, dict):
             raise ValueError(f"owners should be a dict or None, got {type(self.owners).__name__}")

@@ -42,6 +42,7 @@ __all__ = [
     "pack_layout",
     "select",
     "unpack_layout",
+    "wants_of",
     "whole_box",
 ]
 
@@ -191,6 +192,14 @@ def select(
         param_buckets=tuple(tuple(b) for b in per_param),
     )
     return Selection(receiver_plan, tuple(picks))
+
+
+def wants_of(full: TransferPlan, boxes: Sequence[Box], plan: TransferPlan) -> list[Box]:
+    """The box of each of `plan`'s parameters (by name) in `boxes`, declared one per
+    parameter of `full`: what `select` takes as `wants` for a sender whose plan
+    carries part of `full` (an owner rank's share plan), or all of it."""
+    by_name = {meta.name: box for meta, box in zip(full.params, boxes)}
+    return [by_name[meta.name] for meta in plan.params]
 
 
 def _numel(box: Box) -> int:

@@ -186,7 +186,7 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
         def make_transport() -> SenderTransport:
             transport = backend.sender(info, self.plan, self.device)
             try:  # the plan's layers around the backend's sender
-                for layer in sender_layers(choices, info, self.plan):
+                for layer in sender_layers(choices, info, side):
                     transport = layer(transport)
             except BaseException:
                 transport.close()  # the backend's listener would outlive the init

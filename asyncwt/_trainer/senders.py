@@ -17,8 +17,9 @@ import anyio
 import anyio.to_thread
 
 from .._core.concurrency import single_error
+from .._core.owners import Box
 from .._core.plan import TransferPlan
-from .._core.round_plan import RoundChoices, RoundPlan, build_round_plan
+from .._core.round_plan import RoundChoices, RoundPlan, build_round_plan, whole_boxes
 from .._core.source import WeightSource
 from .._delta.links import delta_sender
 from .._transports.base import InitWorkers, SenderTransport
@@ -47,6 +48,15 @@ class SenderSide(ABC):
         """What this rank's pipeline and transport carry (its share, or the full plan)."""
         share = self.round_plan.share(self.rank)
         return share if share is not None else self.round_plan.plan
+
+    @property
+    def held(self) -> tuple[Box, ...]:
+        """The box of its full parameter each of `plan`'s parameters carries (this
+        rank's pieces with owner senders; every parameter whole from rank 0)."""
+        layout = self.round_plan.layout
+        if layout is None:
+            return whole_boxes(self.plan.params)
+        return tuple(piece.box for piece in layout.pieces[self.rank])
 
     @abstractmethod
     def opens_transport(self, is_sender: bool) -> bool:
@@ -156,12 +166,13 @@ async def share_round(
 SenderLayer = Callable[[SenderTransport], SenderTransport]
 
 
-def sender_layers(choices: RoundChoices, info: Any, plan: TransferPlan) -> list[SenderLayer]:
-    """The layers a round plan's choices put around the backend's sender, innermost
+def sender_layers(choices: RoundChoices, info: Any, side: SenderSide) -> list[SenderLayer]:
+    """The layers a round plan's choices put around `side`'s sender, innermost
     first: each worker's own slice (`"sliced"` receivers), then the codec (delta)."""
     layers: list[SenderLayer] = []
     if choices.receivers == "sliced":
-        layers.append(lambda transport: sliced_sender(transport, plan))
+        full, plan, held = side.round_plan.plan, side.plan, side.held
+        layers.append(lambda transport: sliced_sender(transport, full, plan, held))
     if choices.codec == "delta":
         layers.append(lambda transport: delta_sender(transport, info))
     return layers

@@ -1,15 +1,22 @@
 """Sliced receivers, trainer side: a layer around a linked sender.
 
 Each worker declares, once after its handshake, the box of each parameter it
-holds (a LAYOUT frame, see `asyncwt._core.slices`). From then on every bucket's
-frame to that worker carries only the bytes of its boxes: the sender's segments,
-cut to the worker's picks, without a copy. A worker that holds everything whole
-gets the bucket as the sender under this layer sends it.
+holds (a LAYOUT frame, see `asyncwt._core.slices`), always over the full plan.
+From then on every bucket's frame to that worker carries only the bytes of its
+boxes that this sender holds: the sender's segments, cut to the worker's picks,
+without a copy. A worker that holds all this sender holds gets the bucket as the
+sender under this layer sends it.
+
+The sender's own plan carries `held`, one box of a full parameter per parameter
+(by name): rank 0 sends the full plan, each parameter whole; an owner rank its
+share plan, its pieces (`asyncwt._core.pairs`). Its picks for a worker are
+`select(plan, held, the worker's box of each parameter)`, as the worker derives them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -20,7 +27,7 @@ from .._core.errors import ProtocolError, TransferTimeoutError
 from .._core.owners import Box
 from .._core.plan import Bucket, TransferPlan
 from .._core.receiver_layout import ReceiverLayout
-from .._core.slices import layout_nbytes, select, unpack_layout, whole_box
+from .._core.slices import layout_nbytes, select, unpack_layout, wants_of
 from .base import InitWorkers, Segment, SenderTransport
 from .layer import SenderLayer
 from .link import LinkedSender, Peer
@@ -54,15 +61,21 @@ def cut(segments: list[Segment], ranges: tuple[tuple[int, int], ...]) -> list[me
 
 
 class SlicedSender(SenderLayer):
-    """See the module docstring. `inner` sends to the workers that hold everything."""
+    """See the module docstring. `inner` sends `plan`, which carries `held` of `full`'s
+    parameters, whole to the workers that hold all of it."""
 
-    def __init__(self, inner: LinkedSender, plan: TransferPlan) -> None:
+    def __init__(
+        self, inner: LinkedSender, full: TransferPlan, plan: TransferPlan, held: Sequence[Box]
+    ) -> None:
         super().__init__(inner)
+        self.full = full
+        """The plan the workers declare their boxes over."""
         self.plan = plan
+        self.held = tuple(held)
         self.picks: dict[Peer, Picks] = {}
         """Per sliced worker: the ranges of each bucket it gets."""
         self.needs: dict[Peer, tuple[Box, ...]] = {}
-        """Per worker: the boxes it declared."""
+        """Per worker: the boxes it declared, one per parameter of `full`."""
         self.round_wire_bytes: int | None = None
         """Payload bytes a round carries to each worker (the mean over workers)."""
 
@@ -76,13 +89,13 @@ class SlicedSender(SenderLayer):
         except BaseException:
             self.inner.close()
             raise
-        whole = [whole_box(meta.shape) for meta in self.plan.params]
         per_worker = []
         for peer, boxes in self.needs.items():
-            if list(boxes) == whole:
-                per_worker.append(self.plan.total_bytes)
+            wants = wants_of(self.full, boxes, self.plan)
+            if all(w.intersection(h) == h for w, h in zip(wants, self.held)):
+                per_worker.append(self.plan.total_bytes)  # it holds all this sender sends
                 continue
-            selection = select(self.plan, whole, boxes, digest=self.plan.digest)
+            selection = select(self.plan, self.held, wants, digest=self.plan.digest)
             self.picks[peer] = selection.picks
             per_worker.append(selection.total_bytes)
         self.round_wire_bytes = sum(per_worker) // max(1, len(per_worker))
@@ -97,12 +110,12 @@ class SlicedSender(SenderLayer):
 
     def layouts(self) -> list[ReceiverLayout]:
         """What each worker declared, in the order of the links' peers."""
-        return [ReceiverLayout(self.plan.params, self.needs[peer]) for peer in self.links.peers]
+        return [ReceiverLayout(self.full.params, self.needs[peer]) for peer in self.links.peers]
 
     async def _read_layout(self, peer: Peer) -> None:
         """Read `peer`'s LAYOUT, at the size the plan fixes, before anything is sent."""
         timeout = self.links.settings.handshake_timeout
-        expected = layout_nbytes(self.plan)
+        expected = layout_nbytes(self.full)
         try:
             with anyio.fail_after(timeout):
                 frame = Frame.unpack(await async_recv_exact(peer.sock, FRAME_SIZE))
@@ -123,7 +136,7 @@ class SlicedSender(SenderLayer):
                 f"timeouts.handshake={timeout}s"
             ) from None
         try:
-            self.needs[peer] = unpack_layout(self.plan, data, where=f"worker {peer.address}")
+            self.needs[peer] = unpack_layout(self.full, data, where=f"worker {peer.address}")
         except ValueError as exc:
             peer.close(str(exc))
             raise ProtocolError(str(exc)) from None
@@ -154,10 +167,14 @@ class SlicedSender(SenderLayer):
         await self.links.send_frame(peer, frame, f"bucket {bucket.index}")
 
 
-def sliced_sender(transport: SenderTransport, plan: TransferPlan) -> SlicedSender:
-    """`transport` with sliced receivers (it must be a linked sender)."""
+def sliced_sender(
+    transport: SenderTransport, full: TransferPlan, plan: TransferPlan, held: Sequence[Box]
+) -> SlicedSender:
+    """`transport`, which sends `plan` carrying `held` of `full`'s parameters (rank 0:
+    `full` itself, each parameter whole), with sliced receivers (it must be a linked
+    sender)."""
     if not isinstance(transport, LinkedSender):
         raise ValueError(
             f"slices need a sender over worker links (tcp's star), got {type(transport).__name__}"
         )
-    return SlicedSender(transport, plan)
+    return SlicedSender(transport, full, plan, held)

@@ -10,6 +10,12 @@ runs of the full parameter they belong to (`full_slices`), which the applier lan
 or reassembles as it does a chunked parameter. `update_weights` returns once every
 rank's END arrived, so `finish_weight_update` publishes only after every rank's
 share was applied.
+
+A sliced receiver (`slices`) declares the boxes its model holds on every rank's
+link (the same declaration, over the full plan) and receives from each rank only
+the bytes of its pieces inside those boxes: each rank's receiver plan is `select`'s
+(`asyncwt._core.slices`), as the rank derives it, and its buckets land in the
+worker's local tensors (its landing plan: what the worker holds of the full plan).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from .._core.owners import MAX_SENDERS, OwnersLayout, full_slices
-from .._core.plan import Bucket, TransferPlan
+from .._core.owners import MAX_SENDERS, Box, OwnersLayout, full_slices
+from .._core.plan import Bucket, Slice, TransferPlan
+from .._core.slices import select, wants_of
 from .._transports.base import ReceivedBucket, ReceiverTransport
+from .slices import select_boxes
 
 __all__ = ["OwnersReceiver", "owners_receiver"]
 
@@ -47,9 +55,23 @@ class OwnersReceiver(ReceiverTransport):
 
     lands_in_place = False
 
-    def __init__(self, layout: OwnersLayout, receivers: list[ReceiverTransport]) -> None:
-        self.layout = layout
+    def __init__(
+        self,
+        plans: Sequence[TransferPlan],
+        receivers: list[ReceiverTransport],
+        landing: Sequence[Callable[[Slice], Iterable[Slice]]],
+    ) -> None:
+        self.plans = plans
+        """Per rank, the plan its receiver receives."""
         self.receivers = receivers
+        self.landing = landing
+        """Per rank: a slice of its plan as slices of the plan rounds land by."""
+
+    @classmethod
+    def of_shares(cls, layout: OwnersLayout, receivers: list[ReceiverTransport]) -> OwnersReceiver:
+        """Receives each rank's share plan whole, landed in the full plan's parameters."""
+        lands = [_to_full(layout, rank) for rank in range(layout.world_size)]
+        return cls(layout.share_plans, receivers, lands)
 
     def connect(self) -> None:
         try:
@@ -65,12 +87,8 @@ class OwnersReceiver(ReceiverTransport):
 
     def _translate(self, rank: int, received: ReceivedBucket) -> ReceivedBucket:
         """A share bucket as a bucket of the full plan (same buffer, same release)."""
-        pieces = self.layout.pieces[rank]
-        params = self.layout.plan.params
-        slices = []
-        for s in received.bucket.slices:
-            piece = pieces[s.param]
-            slices.extend(full_slices(piece, params[piece.param], s, piece.param))
+        land = self.landing[rank]
+        slices = [out for s in received.bucket.slices for out in land(s)]
         bucket = Bucket(
             received.bucket.index,
             tuple(slices),
@@ -89,9 +107,7 @@ class OwnersReceiver(ReceiverTransport):
             queue.SimpleQueue()
         )
 
-        shares = [
-            _InBuffers(len(p.params), target.hands_out_buffers) for p in self.layout.share_plans
-        ]
+        shares = [_InBuffers(len(p.params), target.hands_out_buffers) for p in self.plans]
 
         def pump(rank: int, receiver: ReceiverTransport) -> None:
             try:
@@ -146,13 +162,17 @@ def owners_receiver(
     info: Any,
     parse: Callable[[dict[str, Any]], Any],
     make_receiver: Callable[[Any, TransferPlan], ReceiverTransport],
+    boxes: Sequence[Box] | None = None,
 ) -> tuple[OwnersReceiver, TransferPlan]:
-    """The receiver for an init with owner senders, and the plan rounds name.
+    """The receiver for an init with owner senders, and the plan rounds name and land by.
 
     `parse(fields)` checks one rank's endpoint fields (its share plan included) with
-    the backend's own init info class; `make_receiver(rank_info, share_plan)` builds
-    that rank's receiver. Validates the layout (its digest included: it covers every rank's share plan)
-    and every rank's endpoint fields before anything is allocated or connected.
+    the backend's own init info class; `make_receiver(rank_info, plan)` builds that
+    rank's receiver of `plan` (its share plan, or with `boxes`, the box this worker
+    holds of each parameter of the full plan, what it receives of it: see the module
+    docstring). Validates the layout (its digest included: it covers every rank's
+    share plan) and every rank's endpoint fields before anything is allocated or
+    connected.
     """
     plan: TransferPlan = info.transfer_plan
     owners = info.owners
@@ -176,8 +196,52 @@ def owners_receiver(
         parse({**fields, "plan": layout.share_plans[rank].to_wire()})
         for rank, fields in enumerate(senders)
     ]
-    receivers = [
-        make_receiver(rank_info, layout.share_plans[rank])
-        for rank, rank_info in enumerate(rank_infos)
-    ]
-    return OwnersReceiver(layout, receivers), dataclasses.replace(layout.plan, digest=layout.digest)
+    if boxes is None:
+        landing = dataclasses.replace(layout.plan, digest=layout.digest)
+        plans = layout.share_plans
+    else:
+        landing = dataclasses.replace(select_boxes(plan, boxes).plan, digest=layout.digest)
+        plans = tuple(_sliced(layout, rank, boxes) for rank in range(layout.world_size))
+    receivers: list[ReceiverTransport] = []
+    try:
+        for rank_info, rank_plan in zip(rank_infos, plans):
+            receivers.append(make_receiver(rank_info, rank_plan))
+    except BaseException:
+        for receiver in receivers:
+            receiver.close()
+        raise
+    if boxes is None:
+        return OwnersReceiver.of_shares(layout, receivers), landing
+    return OwnersReceiver(plans, receivers, [_to_local(landing, p) for p in plans]), landing
+
+
+def _to_full(layout: OwnersLayout, rank: int) -> Callable[[Slice], Iterable[Slice]]:
+    """A slice of `rank`'s share plan as runs of the full parameters its piece is of."""
+    pieces, params = layout.pieces[rank], layout.plan.params
+
+    def land(s: Slice) -> Iterable[Slice]:
+        piece = pieces[s.param]
+        return full_slices(piece, params[piece.param], s, piece.param)
+
+    return land
+
+
+def _sliced(layout: OwnersLayout, rank: int, boxes: Sequence[Box]) -> TransferPlan:
+    """What a worker holding `boxes` (of the full plan) receives of `rank`'s share: its
+    plan of local tensors, named as the share (as the rank names its links)."""
+    share = layout.share_plans[rank]
+    held = [piece.box for piece in layout.pieces[rank]]
+    wants = wants_of(layout.plan, boxes, share)
+    return select(share, held, wants, digest=share.digest).plan
+
+
+def _to_local(landing: TransferPlan, plan: TransferPlan) -> Callable[[Slice], Iterable[Slice]]:
+    """A slice of `plan` (a rank's sliced plan) as the same bytes of the same local
+    tensor in `landing` (the worker's plan of every local tensor), by name."""
+    index = {meta.name: i for i, meta in enumerate(landing.params)}
+    to = [index[meta.name] for meta in plan.params]
+
+    def land(s: Slice) -> Iterable[Slice]:
+        return (dataclasses.replace(s, param=to[s.param]),)
+
+    return land

@@ -4,9 +4,9 @@ The trainer's plan reaches a worker as its init info. This module turns it into
 what the engine drives, one layer per choice the plan made, so the engine holds
 no branch per mode: one receiver per sending trainer rank when the owners send
 (`owners_receiver`), else the backend's receiver from rank 0, of the whole
-model or, for sliced receivers, of the boxes this worker holds (`selection_for`,
-declared on its link after the handshake); then, for delta rounds, a codec on its
-link (`delta_receiver`).
+model or, for sliced receivers, of the boxes this worker holds (`declared_boxes`,
+declared on every sending rank's link after the handshake: rank 0's, or each
+owner rank's); then, for delta rounds, a codec on its link (`delta_receiver`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .._transports.base import ReceiverTransport
 from .._transports.link import LinkedReceiver
 from .delta import WorkerDelta, delta_receiver
 from .owners import owners_receiver
-from .slices import selection_for
+from .slices import declared_boxes, select_boxes
 
 __all__ = ["WorkerSide", "worker_side"]
 
@@ -53,25 +53,29 @@ def worker_side(
     from one sender. `model` says which boxes it holds, for sliced receivers.
     """
     receiver: ReceiverTransport
-    declared = None
+    boxes = declared_boxes(model, info.transfer_plan) if info.slices else None
     if info.owners is not None:  # every trainer rank sends its own shards
-        receiver, plan = owners_receiver(info, parse, make_receiver)
-    elif info.slices:  # this worker receives only the boxes its model holds
-        selection, boxes = selection_for(model, info.transfer_plan)
-        plan = selection.plan
-        declared = pack_layout(info.transfer_plan, boxes)
+        receiver, plan = owners_receiver(info, parse, make_receiver, boxes)
+        links = list(receiver.receivers)
+    elif boxes is not None:  # this worker receives only the boxes its model holds
+        plan = select_boxes(info.transfer_plan, boxes).plan
         receiver = make_receiver(info, plan)
+        links = [receiver]
     else:
         plan = info.transfer_plan
         receiver = make_receiver(info, plan)
+        links = []
     try:
-        if declared is not None:
-            if not isinstance(receiver, LinkedReceiver):
-                raise ValueError(
-                    f"slices should be False for a {type(receiver).__name__} (sliced "
-                    f"receivers declare their layout over a worker link: tcp's star), got True"
-                )
-            receiver.declare(declared)
+        if boxes is not None:  # declared on every link: to each sending rank
+            declared = pack_layout(info.transfer_plan, boxes)
+            for link in links:
+                if not isinstance(link, LinkedReceiver):
+                    raise ValueError(
+                        f"slices should be False for a {type(link).__name__} (sliced "
+                        f"receivers declare their layout over a worker link: tcp's star), "
+                        f"got True"
+                    )
+                link.declare(declared)
         delta = delta_receiver(receiver, plan) if info.codec == "delta" else None
     except BaseException:
         receiver.close()

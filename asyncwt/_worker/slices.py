@@ -18,7 +18,7 @@ from .._core.owners import Box
 from .._core.plan import TransferPlan
 from .._core.slices import Selection, check_layout, select, whole_box
 
-__all__ = ["LAYOUT_ATTRIBUTE", "declared_boxes", "selection_for"]
+__all__ = ["LAYOUT_ATTRIBUTE", "declared_boxes", "select_boxes"]
 
 LAYOUT_ATTRIBUTE = "asyncwt_layout"
 """The model attribute that declares the boxes it holds (see the module docstring)."""
@@ -67,8 +67,8 @@ def declared_boxes(model: torch.nn.Module, plan: TransferPlan) -> tuple[Box, ...
     return tuple(boxes)
 
 
-def selection_for(model: torch.nn.Module, plan: TransferPlan) -> tuple[Selection, tuple[Box, ...]]:
-    """What this worker receives of rank 0's `plan`, and the boxes it declares."""
-    boxes = declared_boxes(model, plan)
+def select_boxes(plan: TransferPlan, boxes: Sequence[Box]) -> Selection:
+    """What a worker holding `boxes` receives of rank 0's `plan`, which sends every
+    parameter whole."""
     whole = [whole_box(meta.shape) for meta in plan.params]
-    return select(plan, whole, boxes, digest=plan.digest), boxes
+    return select(plan, whole, boxes, digest=plan.digest)
