@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
+import _slice_models as sm
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncwt._core.meta import ParamMeta
-from asyncwt._core.owners import Box
+from asyncwt._core.meta import ParamMeta, Shard
+from asyncwt._core.owners import Box, OwnersLayout
 from asyncwt._core.plan import TransferPlan
 from asyncwt._core.slices import (
     box_runs,
@@ -18,6 +19,7 @@ from asyncwt._core.slices import (
     pack_layout,
     select,
     unpack_layout,
+    wants_of,
     whole_box,
 )
 
@@ -138,3 +140,44 @@ def test_a_layout_round_trips_and_bad_ones_name_the_parameter() -> None:
         pack_layout(plan, (Box((0,), (6,)), Box((), ())))
     with pytest.raises(ValueError, match=r"one box per parameter of the plan \(2\), got 1"):
         pack_layout(plan, (Box((0, 0), (6, 4)),))
+
+
+def test_owner_ranks_together_land_each_tp_workers_boxes_exactly_once() -> None:
+    """M:N: each owner rank selects from its share plan and pieces, with the worker's
+    boxes declared over the full plan (`wants_of`); the ranks' picks, landed by each
+    rank's receiver plan in the worker's tensors (by name), cover every byte of the
+    worker's boxes exactly once, however FSDP rows and TP boxes cut each other."""
+    metas = [
+        ParamMeta(name, torch.float32, tuple(p.shape), owners=(0, 1), placements=(Shard(0),))
+        for name, p in sm.full(seed=0).named_parameters()
+    ]
+    plan = TransferPlan.build(metas, bucket_bytes=1024, alignment=16)
+    layout = OwnersLayout.build(plan, 2)
+    fulls = {m.name: torch.randn(m.shape) for m in plan.params}
+    for worker in (0, 1):
+        declared = sm.boxes(worker, 2)
+        boxes = [Box(*declared[m.name]) for m in plan.params]
+        local = {m.name: torch.zeros(b.size) for m, b in zip(plan.params, boxes)}
+        covered = {name: torch.zeros(t.shape, dtype=torch.int32) for name, t in local.items()}
+        for rank, share in enumerate(layout.share_plans):
+            held = [piece.box for piece in layout.pieces[rank]]
+            selection = select(share, held, wants_of(plan, boxes, share), digest=share.digest)
+            assert [m.name for m in selection.plan.params] == [m.name for m in share.params]
+            sent = [
+                region(fulls[m.name], h).contiguous().view(-1).view(torch.uint8)
+                for m, h in zip(share.params, held)
+            ]
+            for bucket, picks, landing in zip(
+                share.buckets, selection.picks, selection.plan.buckets
+            ):
+                payload = torch.cat([sent[s.param][s.start : s.end] for s in bucket.slices])
+                frame = torch.cat([payload[a : a + n] for a, n in picks] or [payload[:0]])
+                assert frame.numel() == landing.payload_bytes
+                for s in landing.slices:
+                    name = selection.plan.params[s.param].name
+                    dst = local[name].view(-1).view(torch.uint8)
+                    dst[s.start : s.end] = frame[s.offset : s.offset + s.nbytes]
+                    covered[name].view(-1)[s.start // 4 : s.end // 4] += 1
+        for m, box in zip(plan.params, boxes):
+            assert torch.equal(covered[m.name], torch.ones(box.size, dtype=torch.int32)), m.name
+            assert torch.equal(local[m.name], region(fulls[m.name], box)), m.name

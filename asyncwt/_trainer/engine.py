@@ -154,7 +154,9 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
             engine.fleet = fleet
             if side.opens_transport(init_info.is_sender):
                 engine.transport = await engine._open_transport(side, choices)
-                if isinstance(engine.transport, SlicedSender):  # the needs, as declared
+                # The needs, as declared: every sending rank (rank 0, or each owner rank)
+                # read them on its own links, and records them in its links' order.
+                if isinstance(engine.transport, SlicedSender):
                     layouts = engine.transport.layouts()
                     engine.round_plan = with_receiver_layouts(engine.round_plan, layouts)
                 if fleet is not None:
