@@ -51,7 +51,8 @@ class _InBuffers:
 
 
 class OwnersReceiver(ReceiverTransport):
-    """Receives a round from every trainer rank at once; yields full-plan buckets."""
+    """Receives a round from every trainer rank at once; yields buckets of the plan
+    rounds land by (the full plan, or a sliced receiver's local tensors)."""
 
     lands_in_place = False
 
@@ -86,7 +87,7 @@ class OwnersReceiver(ReceiverTransport):
         return all(r.usable for r in self.receivers)
 
     def _translate(self, rank: int, received: ReceivedBucket) -> ReceivedBucket:
-        """A share bucket as a bucket of the full plan (same buffer, same release)."""
+        """A bucket of `rank`'s plan as one of the landing plan (same buffer, same release)."""
         land = self.landing[rank]
         slices = [out for s in received.bucket.slices for out in land(s)]
         bucket = Bucket(
