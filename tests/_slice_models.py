@@ -97,3 +97,11 @@ def past_the_edge() -> nn.Module:
     model = rank(1, 2)
     model.asyncwt_layout = {**boxes(1, 2), "up.bias": ((INTER // 2,), (INTER,))}  # type: ignore[assignment]
     return model
+
+
+def tp_rank(rank: int, world_size: int) -> nn.Module:
+    """`asyncwt worker --ranks N --model _slice_models:tp_rank`: rank `rank`'s shards."""
+    return _shards(rank, world_size)
+
+
+_shards = rank

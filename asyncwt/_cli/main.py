@@ -25,6 +25,7 @@ from .._core.validate import check_port
 from .._core.worker_api import WeightTransferConfig
 from .._worker.server import API_KEY_ENV, check_api_key, format_url, serve
 from .._worker.server_limits import ServerLimits
+from .group import run_group
 
 if sys.version_info < (3, 11):  # pragma: no cover - the builtin arrived in 3.11
     from exceptiongroup import BaseExceptionGroup
@@ -181,6 +182,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="largest body of init_weight_transfer_engine and update_weights (default %(default)s)",
     )
+    worker.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "serve a model sharded over N ranks (tensor parallelism): N worker processes, "
+            "rank r calling the factory with rank=r, world_size=N and serving on --port + r "
+            "(each on a free port with --port 0); prints each rank's URL (default %(default)s)"
+        ),
+    )
+    worker.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     worker.set_defaults(run=_worker_command)
 
     demo = commands.add_parser(
@@ -205,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # not pass `--help` through).
         return _bench_command(argparse.Namespace(bench_args=argv[1:]), parser)
     args = parser.parse_args(argv)
+    if args.command == "worker":  # a group's ranks get the same arguments
+        args.worker_argv = argv[argv.index("worker") + 1 :]
     run: Command = args.run
     try:
         try:
@@ -267,13 +282,18 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _check_bindable(args.host, args.port)
+    group = _check_ranks(args.ranks, args.rank)
+    if not group:
+        _check_bindable(args.host, args.port)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         check_api_key(api_key, args.host)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    model = _build_model(factory, args.model)
+    if group:  # this process supervises the ranks; each builds its own shard
+        return run_group(args.model, args.worker_argv, args.ranks, args.port)
+    shard = {} if args.rank is None else {"rank": args.rank, "world_size": args.ranks}
+    model = _build_model(factory, args.model, **shard)
     try:
         anyio.run(
             _serve_until_signal,
@@ -362,10 +382,30 @@ def _import_object(spec: str, option: str) -> Callable[..., object]:
     return target
 
 
-def _build_model(factory: Callable[..., object], spec: str) -> torch.nn.Module:
-    """Call the `--model` factory; anything but a module (or an error) is a usage error."""
+def _check_ranks(ranks: int, rank: int | None) -> bool:
+    """Whether this process starts a group of ranks (`--ranks` above 1, no `--rank`)."""
+    if not isinstance(ranks, int) or ranks < 1:
+        raise UsageError(f"--ranks should be an int >= 1, got {ranks!r}")
+    if rank is not None and not 0 <= rank < ranks:
+        raise UsageError(f"--rank should be in [0, {ranks}), got {rank}")
+    return ranks > 1 and rank is None
+
+
+def _build_model(factory: Callable[..., object], spec: str, **shard: int) -> torch.nn.Module:
+    """Call the `--model` factory (with `rank` and `world_size` for a rank of a
+    group); anything but a module (or an error) is a usage error."""
     try:
-        model = factory()
+        model = factory(**shard)
+    except TypeError as exc:
+        if not shard:
+            raise UsageError(
+                f"--model {spec}: the factory raised TypeError: {exc} (--log-level DEBUG "
+                f"shows the traceback)"
+            ) from None
+        raise UsageError(
+            f"--model {spec} with --ranks: the factory should accept rank= and world_size= "
+            f"(and return that rank's shard), got TypeError: {exc}"
+        ) from None
     except Exception as exc:
         logger.debug("--model %s failed", spec, exc_info=True)
         raise UsageError(
