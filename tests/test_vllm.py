@@ -604,8 +604,10 @@ async def test_keep_pause_lets_a_stream_continue_on_the_new_weights_and_failure_
 ) -> None:
     vocab = original.config.vocab_size
     async with fresh_session() as session, HttpClient(vllm_server, pause="keep") as client:
+        # Eight copies per step: the pause, sent at the first token, lands while the
+        # stream still runs even on a loaded machine (one copy streams in ~1 s).
         before, after, tokens, stats = await push_during_stream(
-            client, vllm_server, prompts[1], (15, 16), vocab, freeze=True
+            client, vllm_server, prompts[1], (15, 16), vocab, freeze=True, copies=8
         )
         assert stats.paused_s is not None and 0 < stats.paused_s <= stats.wall_s
         assert len(tokens) == STREAM_TOKENS
