@@ -330,3 +330,36 @@ def test_deferred_signals_hold_a_signal_until_cleanup_is_done() -> None:
         done.append("cleanup")
     assert done == ["cleanup"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_stopped_by_sigterm_inside_a_cluster_block_removes_its_hosts() -> None:
+    """`with Cluster(...)` unwinds on SIGTERM (a supervisor's stop, `kill`): a script such
+    as benchmarks/delta_trajectory.py leaves no namespace or link behind."""
+    tag = f"awtsig{os.getpid() % 10000}"
+    script = (
+        "import sys, time\n"
+        "from asyncwt._bench.cluster.hosts import Cluster\n"
+        "with Cluster({'a': 1, 'b': 2}, tag=sys.argv[1]):\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(100)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, tag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.stderr
+        assert _namespaces(tag), "the script made no namespace"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "KeyboardInterrupt: stopped by SIGTERM" in stderr
+    assert _namespaces(tag) == []
+    assert _root_links(tag) == []

@@ -29,6 +29,7 @@ recorded namespace. The processes running inside must be stopped first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import os
 import re
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from typing_extensions import Self
+
+from .signals import deferred_signals, interrupts_unwind
 
 __all__ = [
     "SUBNET",
@@ -285,10 +288,15 @@ class Cluster:
         ]
 
     def __enter__(self) -> Self:
+        """Make the hosts; until the block ends, SIGTERM and SIGHUP unwind it as Ctrl-C
+        does (a script killed by its supervisor removes what it made), and the removal
+        itself is not cut short by a second signal."""
+        self._signals = contextlib.ExitStack()
+        self._signals.enter_context(interrupts_unwind())
         try:
             return self.up()
         except BaseException:
-            self.down()
+            self._leave()
             raise
 
     def __exit__(
@@ -297,4 +305,11 @@ class Cluster:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.down()
+        self._leave()
+
+    def _leave(self) -> None:
+        try:
+            with deferred_signals():
+                self.down()
+        finally:
+            self._signals.close()
