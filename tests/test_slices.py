@@ -20,8 +20,11 @@ from asyncwt._core.slices import (
     select,
     unpack_layout,
     wants_of,
-    whole_box,
 )
+
+
+def whole_box(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), shape)
 
 
 @st.composite
@@ -134,9 +137,15 @@ def test_a_layout_round_trips_and_bad_ones_name_the_parameter() -> None:
     assert unpack_layout(plan, data, where="test") == boxes
     with pytest.raises(ValueError, match=r"a layout for this plan is 32 bytes, got 31"):
         unpack_layout(plan, data[:-1], where="test")
-    with pytest.raises(ValueError, match=r"box of 'w' should lie inside its shape \(6, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^pack_layout: parameter 'w': box should lie inside shape \(6, 4\), got \[4, 7\)",
+    ):
         pack_layout(plan, (Box((4, 0), (3, 4)), Box((), ())))
-    with pytest.raises(ValueError, match=r"box of 'w' should have 2 dims"):
+    with pytest.raises(
+        ValueError,
+        match=r"^pack_layout: parameter 'w': box start should be 2 ints >= 0 \(shape \(6, 4\)\)",
+    ):
         pack_layout(plan, (Box((0,), (6,)), Box((), ())))
     with pytest.raises(ValueError, match=r"one box per parameter of the plan \(2\), got 1"):
         pack_layout(plan, (Box((0, 0), (6, 4)),))

@@ -85,7 +85,10 @@ async def test_a_worker_declaring_a_box_outside_a_parameter_fails_its_init_namin
     with worker_process("_slice_models:past_the_edge", env=worker_env()) as url:
         async with HttpClient(url, timeout=30) as client:
             info = info_for("tcp", fanout=Star(slices=True))
-            with pytest.raises(ControlPlaneError, match=r"box of 'up.bias' should lie inside"):
+            with pytest.raises(
+                ControlPlaneError,
+                match=r"parameter 'up.bias': box should lie inside shape \(128,\)",
+            ):
                 await trainer_init(info, client=client, source=ModuleSource(model))
 
 

@@ -299,21 +299,28 @@ async def test_http_client_pushes_into_vllm_server_and_generation_follows(
             await client.close()
 
 
+def run_offline(
+    model_dir: Path, spec: dict[str, Any], env: dict[str, str], *, timeout: float
+) -> dict[str, Any]:
+    """Run `_vllm_offline.py` on `model_dir` with `spec`; the result it prints."""
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "_vllm_offline.py"), str(model_dir), json.dumps(spec)],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
 @needs_vllm
 @pytest.mark.parametrize("backend", ["tcp", "shm", "torch_dist"])
 def test_vllm_trainer_factory_pushes_into_one_process_llm(
     backend: str, model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], original: Any
 ) -> None:
-    env = vllm_env(vllm_tmp)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    spec = json.dumps({"backend": backend, "prompts": prompts, "max_tokens": MAX_TOKENS})
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "_vllm_offline.py"), str(model_dir), spec],
-        env=env, capture_output=True, text=True, timeout=400, check=False,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    env = {**vllm_env(vllm_tmp), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    spec = {"backend": backend, "prompts": prompts, "max_tokens": MAX_TOKENS}
+    result = run_offline(model_dir, spec, env, timeout=400)
 
     assert result["engine"] == "VllmTrainerEngine"
     trainer_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
@@ -789,23 +796,15 @@ def test_tp2_ranks_each_receive_their_slices_and_generate_as_hf(
     from transformers import AutoModelForCausalLM
 
     env = {**vllm_env(vllm_tmp), **TP_ENV}
-    spec = json.dumps(
-        {
-            "backend": "tcp",
-            "prompts": prompts,
-            "max_tokens": MAX_TOKENS,
-            "tp": 2,
-            "slices": True,
-            "shape": TP_SHAPE,
-        }
-    )
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "_vllm_offline.py"), str(tp_model_dir), spec],
-        env=env, capture_output=True, text=True, timeout=500, check=False,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    spec = {
+        "backend": "tcp",
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        "tp": 2,
+        "slices": True,
+        "shape": TP_SHAPE,
+    }
+    result = run_offline(tp_model_dir, spec, env, timeout=500)
 
     original = AutoModelForCausalLM.from_pretrained(tp_model_dir, dtype=torch.float32).eval()
     trainer_model = _vllm_model.build_model(TP_VOCAB, seed=1, **TP_SHAPE)

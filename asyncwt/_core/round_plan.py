@@ -36,7 +36,7 @@ from .modes import Mode, check_modes
 from .owners import Box, OwnersLayout
 from .pairs import PairPlans, rank0_pieces
 from .plan import TransferPlan
-from .receiver_layout import ReceiverLayout
+from .receiver_layout import ReceiverLayout, whole_box
 
 __all__ = [
     "Admission",
@@ -213,7 +213,7 @@ class RouteEdge:
 
 def whole_boxes(params: Sequence[ParamMeta]) -> tuple[Box, ...]:
     """Every parameter whole: one box per parameter covering its full shape."""
-    return tuple(Box(start=(0,) * len(m.shape), size=tuple(m.shape)) for m in params)
+    return tuple(whole_box(m) for m in params)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from .meta import ParamMeta
 from .owners import Box
 from .plan import Bucket, Slice, TransferPlan
+from .receiver_layout import check_box
 
 __all__ = [
     "Run",
@@ -43,7 +44,6 @@ __all__ = [
     "select",
     "unpack_layout",
     "wants_of",
-    "whole_box",
 ]
 
 _U64 = struct.Struct("<Q")
@@ -57,11 +57,6 @@ class Run:
     src: int
     dst: int
     nbytes: int
-
-
-def whole_box(shape: Sequence[int]) -> Box:
-    """The box covering a tensor of `shape` whole."""
-    return Box((0,) * len(shape), tuple(shape))
 
 
 def _strides(size: Sequence[int]) -> list[int]:
@@ -212,25 +207,18 @@ def _local_meta(meta: ParamMeta, box: Box) -> ParamMeta:
 
 
 def check_layout(plan: TransferPlan, boxes: Sequence[Box], *, where: str) -> None:
-    """`boxes` declares one box per parameter of `plan`, each inside its tensor."""
+    """`boxes` declares one box per parameter of `plan`, each inside its tensor
+    (`check_box`); an error names `where` the layout came from."""
     if len(boxes) != len(plan.params):
         raise ValueError(
             f"{where}: a layout should have one box per parameter of the plan "
             f"({len(plan.params)}), got {len(boxes)}"
         )
     for meta, box in zip(plan.params, boxes):
-        shape = meta.shape
-        if len(box.start) != len(shape) or len(box.size) != len(shape):
-            raise ValueError(
-                f"{where}: the box of {meta.name!r} should have {len(shape)} dims (the "
-                f"parameter is {shape}), got start {box.start} and size {box.size}"
-            )
-        for d, (s, n, full) in enumerate(zip(box.start, box.size, shape)):
-            if s < 0 or n < 0 or s + n > full:
-                raise ValueError(
-                    f"{where}: the box of {meta.name!r} should lie inside its shape "
-                    f"{shape}, got start {box.start} and size {box.size} (dim {d})"
-                )
+        try:
+            check_box(meta, box)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 def layout_nbytes(plan: TransferPlan) -> int:

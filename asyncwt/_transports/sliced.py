@@ -41,10 +41,9 @@ logger = logging.getLogger("asyncwt")
 Picks = tuple[tuple[tuple[int, int], ...], ...]
 
 
-def cut(segments: list[Segment], ranges: tuple[tuple[int, int], ...]) -> list[memoryview]:
-    """The bytes at `ranges` (`(offset, nbytes)` of the payload `segments` make, in
-    order, increasing) as views of the segments."""
-    views = [byte_view(segment) for segment in segments]
+def cut(views: list[memoryview], ranges: tuple[tuple[int, int], ...]) -> list[memoryview]:
+    """The bytes at `ranges` (`(offset, nbytes)` of the payload `views` make, in
+    order, increasing) as views of the views."""
     out: list[memoryview] = []
     index, base = 0, 0  # the segment at `index` starts at payload byte `base`
     for offset, nbytes in ranges:
@@ -146,7 +145,8 @@ class SlicedSender(SenderLayer):
         whole = [p for p in self.links.peers if p not in self.picks]
 
         async def to_slices() -> None:
-            await self.links.each(self._send_picks, bucket, segments, among=sliced)
+            views = [byte_view(segment) for segment in segments]  # once for every worker
+            await self.links.each(self._send_picks, bucket, views, among=sliced)
 
         async def to_whole() -> None:
             await self.inner.send_bucket_to(bucket, slot, segments, whole)
@@ -159,11 +159,11 @@ class SlicedSender(SenderLayer):
                 tg.start_soon(to_slices)
                 tg.start_soon(to_whole)
 
-    async def _send_picks(self, peer: Peer, bucket: Bucket, segments: list[Segment]) -> None:
+    async def _send_picks(self, peer: Peer, bucket: Bucket, views: list[memoryview]) -> None:
         ranges = self.picks[peer][bucket.index]
         nbytes = sum(n for _, n in ranges)
         header = self.links.frame(FrameKind.BUCKET, index=bucket.index, nbytes=nbytes)
-        frame = [memoryview(header.pack()), *cut(segments, ranges)]
+        frame = [memoryview(header.pack()), *cut(views, ranges)]
         await self.links.send_frame(peer, frame, f"bucket {bucket.index}")
 
 

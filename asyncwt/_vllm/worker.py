@@ -136,8 +136,10 @@ class VllmRoundMixin(DeferredWorkerEngine):
         full = {meta.name: meta.shape for meta in plan.params}
         declared = {name: box for name, box in boxes.items() if name in full}
         setattr(self.model, LAYOUT_ATTRIBUTE, declared)  # the worker's side of the plan reads it
-        self._sliced.declare(declared, full)
         super().init_transfer_engine(init_info)
+        # Only once joined: a failed init keeps the previous connection, and its
+        # rounds must keep being loaded as that init declared them.
+        self._sliced.declare(declared, full)
 
     def start_weight_update(self) -> None:
         """Begin a round: drain an abandoned one. The model is not touched yet."""

@@ -16,7 +16,8 @@ import torch
 
 from .._core.owners import Box
 from .._core.plan import TransferPlan
-from .._core.slices import Selection, check_layout, select, whole_box
+from .._core.receiver_layout import whole_box
+from .._core.slices import Selection, check_layout, select
 
 __all__ = ["LAYOUT_ATTRIBUTE", "declared_boxes", "select_boxes"]
 
@@ -55,7 +56,7 @@ def declared_boxes(model: torch.nn.Module, plan: TransferPlan) -> tuple[Box, ...
     for meta in plan.params:
         declared = layout.get(meta.name)
         if declared is None:
-            boxes.append(whole_box(meta.shape))
+            boxes.append(whole_box(meta))
             continue
         if not isinstance(declared, Sequence) or len(declared) != 2:
             raise ValueError(
@@ -70,5 +71,5 @@ def declared_boxes(model: torch.nn.Module, plan: TransferPlan) -> tuple[Box, ...
 def select_boxes(plan: TransferPlan, boxes: Sequence[Box]) -> Selection:
     """What a worker holding `boxes` receives of rank 0's `plan`, which sends every
     parameter whole."""
-    whole = [whole_box(meta.shape) for meta in plan.params]
+    whole = [whole_box(meta) for meta in plan.params]
     return select(plan, whole, boxes, digest=plan.digest)
