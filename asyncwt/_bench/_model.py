@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -149,10 +150,13 @@ class SyntheticLlama(nn.Module):
     per GiB); `named_parameters()` yields the Hugging Face Llama names and order.
     """
 
-    def __init__(self, shape: LlamaShape) -> None:
+    def __init__(
+        self, shape: LlamaShape, shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None
+    ) -> None:
+        """`shapes` replaces `shape.param_shapes()` (a tensor-parallel rank's shards)."""
         super().__init__()
         self.shape = shape
-        for name, dims in shape.param_shapes():
+        for name, dims in shape.param_shapes() if shapes is None else shapes:
             *path, leaf = name.split(".")
             owner: nn.Module = self
             for part in path:

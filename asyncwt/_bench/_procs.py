@@ -147,8 +147,10 @@ def spawn_bench_worker(
     host: str = "127.0.0.1",
     port: int = 0,
     prefix: Sequence[str] = (),
+    model: str = BENCH_MODEL,
 ) -> Child:
-    """Start a real `asyncwt worker` serving the benchmark model, `env` added to ours.
+    """Start a real `asyncwt worker` serving the benchmark model (or `model`'s
+    factory), `env` added to ours.
 
     The worker launcher's `spawn_worker`, with the child's stderr in its log; learn
     its URL with `worker_url`.
@@ -157,7 +159,7 @@ def spawn_bench_worker(
     child_env = {**os.environ, **(env or {})}
     with open(path, "wb") as log:
         proc = spawn_worker(
-            BENCH_MODEL, *args, host=host, port=port, env=child_env, prefix=prefix, stderr=log
+            model, *args, host=host, port=port, env=child_env, prefix=prefix, stderr=log
         )
     return Child(proc, role, path)
 

@@ -15,6 +15,7 @@ from ..._core.logs import add_log_level_option, configure_logging
 from .._procs import BenchChildError
 from .._util import Rounds
 from .hosts import ClusterError, ClusterUnsupportedError, check_support
+from .layouts import Layout
 from .signals import interrupts_unwind
 
 __all__ = ["EXIT_UNSUPPORTED", "build_parser", "main", "parse_rates"]
@@ -86,6 +87,14 @@ def _senders(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _layouts(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    try:
+        return tuple(Layout.parse(name).name for name in names)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--layouts: {exc}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncwt bench --cluster",
@@ -130,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S,...",
         help="who sends in the FSDP2 scenarios: rank0 (gathers, today's default), owners "
         "(every rank its own shards), or both: rank0,owners (default rank0)",
+    )
+    parser.add_argument(
+        "--layouts",
+        type=_layouts,
+        metavar="L,...",
+        help="M:N rows: receiving engines of tensor-parallel ranks, each rank a host, "
+        "as [Kx]tpN (tp2,tp4,2xtp2); each beside as many whole-model receivers "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--layout-ranks",
+        type=_counts,
+        metavar="A,B,...",
+        help="trainer rank counts M of the M:N rows (1: rank 0 sends; more: FSDP2 owner "
+        "senders) (default 1,2,4)",
     )
     parser.add_argument(
         "--rates",
@@ -224,12 +248,16 @@ def main(argv: Sequence[str] | None = None, *, check: Callable[[], None] = check
         "topologies": args.topology,
         "ranks": args.ranks,
         "senders": args.senders,
+        "layouts": args.layouts,
+        "layout_ranks": args.layout_ranks,
         "rates_bps": args.rates,
         "cpu_bound_cores": args.cpu_bound_cores,
     }
     values = {**preset, **{k: v for k, v in overrides.items() if v is not None}}
-    if not values["workers"] and not values["ranks"]:
-        parser.error("--workers and --ranks are both empty: nothing to measure")
+    if not values["workers"] and not values["ranks"] and not values.get("layouts"):
+        parser.error("--workers, --ranks and --layouts are all empty: nothing to measure")
+    if values.get("layouts") and not values.get("layout_ranks", (1,)):
+        parser.error("--layout-ranks is empty while --layouts is not: nothing to send with")
     settings = ClusterSettings(
         preset=args.preset,
         bucket_bytes=bucket,

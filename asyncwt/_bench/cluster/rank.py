@@ -62,10 +62,7 @@ def run_rank(
         torch.set_num_threads(torch_threads)
     model = SyntheticLlama(LlamaShape.from_json(shape))
     fill_random(model, seed)
-    expected = [model_checksum(model)]
-    _negate(model)
-    expected.append(model_checksum(model))
-    _negate(model)
+    expected = _expected_checksums(model, jobs) if rank == 0 else {}
     distributed = world_size > 1
     rank_pids = {0: os.getpid()}
     if distributed:
@@ -89,7 +86,8 @@ def run_rank(
             pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
             dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))
             rank_pids = {r: int(pid.item()) for r, pid in enumerate(pids)}
-            if model_checksum(model) != expected[0]:
+            sharded = model_checksum(model)  # a collective: every rank takes part
+            if rank == 0 and sharded != expected[None][0]:
                 raise RuntimeError("the sharded model's checksum differs from the unsharded one")
         results = []
         flipped = False
@@ -105,11 +103,27 @@ def run_rank(
         if rank == 0:
             tmp = result_path + ".tmp"
             with open(tmp, "w") as out:
-                json.dump({"trainer_checksum": expected[0], "jobs": results}, out)
+                json.dump({"trainer_checksum": expected[None][0], "jobs": results}, out)
             os.replace(tmp, result_path)
     finally:
         if distributed:
             dist.destroy_process_group()
+
+
+def _expected_checksums(model: Any, jobs: list[dict[str, Any]]) -> dict[Any, list[str]]:
+    """What each receiver should hold after a round, by its shard (None: the whole
+    model): `[checksum as built, checksum negated]`."""
+    from ..._core.checksum import model_checksum
+    from .._tp_model import tp_shard
+
+    shards = {None, *(tuple(s) for job in jobs for s in job.get("shards", []) if s)}
+    expected: dict[Any, list[str]] = {shard: [] for shard in shards}
+    for _ in range(2):
+        for shard in shards:
+            held = model if shard is None else tp_shard(model, *shard)
+            expected[shard].append(model_checksum(held))
+        _negate(model)
+    return expected
 
 
 def _negate(model: Any) -> None:
@@ -134,11 +148,11 @@ async def _run_job(
     num_buffers: int,
     warmup: int,
     rounds: int,
-    expected: list[str],
+    expected: dict[Any, list[str]],
     flipped: bool,
 ) -> tuple[dict[str, Any], bool]:
     """Warm-up + timed rounds to `job["urls"]`; (record, whether the model ends negated)."""
-    from ... import HttpClient, Listen, ModuleSource, TcpTrainerInitInfo, trainer_init
+    from ... import HttpClient, Listen, ModuleSource, Star, TcpTrainerInitInfo, trainer_init
     from ..._core.config import FANOUTS
     from ..._worker.server import API_KEY_ENV
     from .._cpu import CpuMeter, machine_cpu_s, median_cores
@@ -148,6 +162,9 @@ async def _run_job(
     pids.update({f"trainer rank {r}": pid for r, pid in rank_pids.items() if r != 0})
     pids.update({f"worker {i}": pid for i, pid in enumerate(job["worker_pids"])})
     meter = CpuMeter(pids)
+    shards = [None if s is None else tuple(s) for s in job.get("shards", [None] * len(job["urls"]))]
+    hosts = {f"trainer rank {r}": (pid or os.getpid(), "tx") for r, pid in rank_pids.items()}
+    hosts.update({f"worker {i}": (pid, "rx") for i, pid in enumerate(job["worker_pids"])})
     records: list[dict[str, Any]] = []
     print(f"rank {rank}: {label}", file=sys.stderr, flush=True)
     api_key = os.environ[API_KEY_ENV]  # set by the run for its workers
@@ -156,7 +173,7 @@ async def _run_job(
             info = TcpTrainerInitInfo(
                 rank=rank, listen=Listen(host=trainer_host), bucket_bytes=bucket_bytes,
                 num_buffers=num_buffers, senders=job.get("senders", "rank0"),
-                fanout=FANOUTS[job.get("topology", "star")](),
+                fanout=Star(slices=True) if job.get("slices") else FANOUTS[job.get("topology", "star")](),
             )  # fmt: skip
             engine = await trainer_init(info, client=client, source=ModuleSource(model))
             try:
@@ -168,9 +185,11 @@ async def _run_job(
                     mark = meter.mark()
                     machine_mark = machine_cpu_s()
                     sent_before = _link_tx_bytes()
+                    hosts_before = _host_bytes(hosts) if rank == 0 else {}
                     started = time.monotonic()
                     stats = await engine.send_weights(weight_version=version)
                     sent_after = _link_tx_bytes()
+                    hosts_after = _host_bytes(hosts) if rank == 0 else {}
                     wall = stats.wall_s if stats.wall_s > 0 else time.monotonic() - started
                     cores = meter.cores_busy(mark, wall)
                     machine_now = machine_cpu_s()
@@ -182,17 +201,17 @@ async def _run_job(
                     if rank != 0:
                         continue
                     statuses = await client.weights_status(checksum=True)
-                    want = expected[1 if flipped else 0]
-                    exact = all(
+                    want = [expected[shard][1 if flipped else 0] for shard in shards]
+                    exact = len(statuses) == len(want) and all(
                         s.get("weight_version") == version
-                        and s.get("checksum") == want
+                        and s.get("checksum") == w
                         and not s.get("weights_incomplete")
-                        for s in statuses
+                        for s, w in zip(statuses, want)
                     )
                     if not exact:
                         raise RuntimeError(
                             f"{label} round {index}: a worker's weights differ from the "
-                            f"trainer's (expected version {version}, checksum {want[:16]}…): "
+                            f"trainer's (expected version {version}, checksums {[w[:16] for w in want]}): "
                             f"{statuses}"
                         )
                     records.append(
@@ -200,7 +219,9 @@ async def _run_job(
                          "rank0_bytes": stats.bytes, "buckets": stats.buckets,
                          "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup,
                          "link_bytes": None if sent_before is None or sent_after is None
-                         else sent_after - sent_before}
+                         else sent_after - sent_before,
+                         "host_bytes": {h: hosts_after[h] - hosts_before[h] for h in hosts_after
+                                        if h in hosts_before}}
                     )  # fmt: skip
             finally:
                 await engine.shutdown()
@@ -218,7 +239,15 @@ async def _run_job(
             [{"machine": r["machine_cores"]} for r in timed if r["machine_cores"] is not None]
         ).get("machine"),
         "bit_exact": bool(timed) and all(r["bit_exact"] for r in timed),
+        "link_bytes": _mean_bytes([r["host_bytes"] for r in timed]),
     }, flipped
+
+
+def _mean_bytes(rounds: list[dict[str, int]]) -> dict[str, float]:
+    """Each host's bytes per round, the mean over `rounds` (a lagging rank's bytes
+    counted in the next round still count)."""
+    names = set().union(*rounds) if rounds else set()
+    return {n: sum(r.get(n, 0) for r in rounds) / len(rounds) for n in sorted(names)}
 
 
 def _link_tx_bytes() -> int | None:
@@ -230,6 +259,26 @@ def _link_tx_bytes() -> int | None:
             return int(counter.read())
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _host_bytes(hosts: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """Bytes each host's link has sent (`"tx"`) or received (`"rx"`), by the counters
+    of the network namespace of a process in it (`/proc/PID/net/dev`, loopback left
+    out); a host whose process is gone is left out."""
+    counts = {}
+    for name, (pid, way) in hosts.items():
+        try:
+            with open(f"/proc/{pid}/net/dev") as dev:
+                lines = dev.read().splitlines()[2:]
+        except OSError:
+            continue
+        column = 0 if way == "rx" else 8
+        counts[name] = sum(
+            int(fields.split()[column])
+            for ifname, _, fields in (line.partition(":") for line in lines)
+            if ifname.strip() != "lo"
+        )
+    return counts
 
 
 def main() -> int:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .mn_report import format_layouts, plot_layouts
+
 __all__ = ["format_table", "write_chart", "write_json", "write_table"]
 
 MiB = 1 << 20
@@ -105,6 +107,7 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"- {r['bound']}, {r['rate']} {key} = {count}: {r['bound_why']}")
         if flagged:
             lines.append("")
+    lines += format_layouts(report["rows"])
     cleanup = meta.get("cleanup", {})
     if cleanup:
         left = cleanup.get("left_behind") or []
@@ -232,12 +235,19 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
     for r in rows:
         if (r["rate_bps"], r["rate"]) not in rates:
             rates.append((r["rate_bps"], r["rate"]))
-    kinds = [k for k in ("workers", "ranks") if any(r["kind"] == k for r in rows)]
+    kinds = [k for k in ("workers", "ranks", "layouts") if any(r["kind"] == k for r in rows)]
     if not kinds:
         return None, "chart skipped: no rows"
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5.2), squeeze=False)
     model_mib = report["meta"]["model"]["bytes"] / MiB
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
     for ax, kind in zip(axes[0], kinds):
+        if kind == "layouts":
+            plot_layouts(ax, rows)
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+            continue
         key = "workers" if kind == "workers" else "ranks"
         for index, (rate_bps, rate) in enumerate(rates):
             color = _COLORS[index % len(_COLORS)]
@@ -245,7 +255,6 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
                 _plot_line(ax, rows, kind, key, rate_bps, rate, variant, color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        plain = FuncFormatter(lambda value, _: f"{value:g}")
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
