@@ -860,3 +860,46 @@ async def test_a_tp2_openai_server_serves_the_sliced_pushes_as_hf(
                 await engine.shutdown()
                 await client.shutdown()
                 await client.close()
+
+
+@needs_vllm
+@pytest.mark.usefixtures("vllm_shm_cleanup")
+def test_two_owner_trainer_ranks_push_their_shards_into_a_tp2_server_as_hf(
+    tp_model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M:N into vLLM: two FSDP2 trainer ranks (gloo, each its `Shard(0)` rows, see
+    `_sliced_owners.vllm_owners`) send only their shards (`senders="owners"`) to the
+    two ranks of one server, each of which declared its slices. vLLM then generates as
+    HF does on the pushed weights, and the ranks together put no more than the
+    model's bytes (within `WIRE_BAR`) on the wire."""
+    import _dist
+    import _sliced_owners
+
+    expected = []
+    for seed in _sliced_owners.VLLM_SEEDS:
+        model = _vllm_model.build_model(TP_VOCAB, seed=seed, **TP_SHAPE)
+        expected.append(expected_tokens(model, prompts))
+    model_bytes = sum(p.nbytes for p in model.parameters())  # the tied head once
+    assert expected[0] != expected[1]
+    args = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    with run_vllm_server(tp_model_dir, vllm_tmp, "server-tp2-owners.log", *args, **TP_ENV) as url:
+        monkeypatch.setenv("ASYNCWT_TEST_WORKERS", url)
+        monkeypatch.setenv("ASYNCWT_TEST_PROMPTS", json.dumps(prompts))
+        monkeypatch.setenv("ASYNCWT_TEST_SHAPE", json.dumps(TP_SHAPE))
+        monkeypatch.setenv("ASYNCWT_TEST_VOCAB", str(TP_VOCAB))
+        ranks = _dist.run_ranks(_sliced_owners.vllm_owners, 2, vllm_tmp, timeout_s=300)
+    for rank, record in enumerate(ranks):
+        assert "error" not in record, f"rank {rank}:\n{record.get('error')}"
+        assert len(record["rounds"]) == _sliced_owners.ROUNDS
+    for r, row in enumerate(ranks[0]["rounds"], start=1):
+        assert row["tokens"] == expected[r - 1], r
+        assert row["version"] == f"v{r}"
+        rows = [record["rounds"][r - 1] for record in ranks]
+        assert [row["workers"] for row in rows] == [2, 2]  # both ranks of the one server
+        sent = [row["wire_bytes"] * row["workers"] for row in rows]
+        assert all(sent), sent  # each trainer rank holds rows every vLLM rank needs
+        assert sum(sent) <= WIRE_BAR * model_bytes, (sent, model_bytes)
+        print(
+            f"round v{r}, 2 owner ranks into TP=2: {sent} bytes on the wire for a model of "
+            f"{model_bytes} ({sum(sent) / model_bytes:.3f}x)"
+        )
