@@ -48,10 +48,18 @@ def build_tokenizer(path: Path) -> int:
     return int(tokenizer.get_vocab_size())
 
 
-def build_model(vocab_size: int, seed: int, *, kv_heads: int = HEADS, tie: bool = False) -> Any:
+def build_model(
+    vocab_size: int,
+    seed: int,
+    *,
+    kv_heads: int = HEADS,
+    tie: bool = False,
+    attention_bias: bool = False,
+) -> Any:
     """A float32 `LlamaForCausalLM` with weights drawn from `seed` (typed `Any`: a
     transformers model); `kv_heads` below `HEADS` shares each kv head among query
-    heads, `tie` ties the output head to the embedding."""
+    heads, `tie` ties the output head to the embedding, `attention_bias` gives the
+    attention's projections biases (as Qwen2's q/k/v have)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -63,6 +71,7 @@ def build_model(vocab_size: int, seed: int, *, kv_heads: int = HEADS, tie: bool 
         num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=tie,
+        attention_bias=attention_bias,
         bos_token_id=0,
         eos_token_id=1,
         dtype="float32",

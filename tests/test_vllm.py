@@ -364,23 +364,50 @@ class InsertedSource(WeightSource):
                 yield self.extra
 
 
+BIAS_SHAPE = {"attention_bias": True}
+"""q/k/v/o with biases, as Qwen2's q/k/v: vLLM loads a bias into the live parameter."""
+
+
+@pytest.fixture(scope="module")
+def vllm_bias_server(vllm_tmp: Path) -> Iterator[str]:
+    """`vllm_server` serving the tiny Llama with `BIAS_SHAPE`."""
+    path = vllm_tmp / "tiny-llama-bias"
+    path.mkdir()
+    _vllm_model.save_tiny_llama(path, seed=0, **BIAS_SHAPE)
+    with run_vllm_server(path, vllm_tmp, "server-bias.log") as url:
+        yield url
+
+
 @needs_vllm
 @pytest.mark.asyncio
+@pytest.mark.parametrize("shape", [{}, BIAS_SHAPE], ids=["no-bias", "bias"])
 async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
-    vllm_server: str, prompts: list[list[int]], original: Any
+    shape: dict[str, Any],
+    request: pytest.FixtureRequest,
+    prompts: list[list[int]],
+    original: Any,
 ) -> None:
+    """With biases, the failing round has loaded layer 0's q_proj bias into the live
+    parameter (vLLM keeps biases live through a reload): it must be old again."""
+    vocab = original.config.vocab_size
+    vllm_server = request.getfixturevalue("vllm_bias_server" if shape else "vllm_server")
+    original = _vllm_model.build_model(vocab, seed=0, **shape)  # as the server's checkpoint
     expected_original = expected_tokens(original, prompts)
-    bad_model = _vllm_model.build_model(original.config.vocab_size, seed=3)
-    # vLLM's load_weights takes the embedding, then q_proj of layer 0, then rejects the
-    # unknown name: the embedding layer is complete, layer 0's qkv_proj half-loaded.
-    source = InsertedSource(
-        bad_model, "model.layers.0.self_attn.q_proj.weight", ("bogus", torch.ones(4))
-    )
-    mixed = _vllm_model.build_model(original.config.vocab_size, seed=0)
+    bad_model = _vllm_model.build_model(vocab, seed=3, **shape)
+    # vLLM's load_weights takes the embedding, then q_proj of layer 0 (its weight and
+    # bias), then rejects the unknown name: the embedding layer is complete, layer 0's
+    # qkv_proj half-loaded.
+    last = "model.layers.0.self_attn.q_proj." + ("bias" if shape else "weight")
+    source = InsertedSource(bad_model, last, ("bogus", torch.ones(4)))
+    mixed = _vllm_model.build_model(vocab, seed=0, **shape)
     mixed.load_state_dict(original.state_dict())
     mixed.model.embed_tokens.weight.data.copy_(bad_model.model.embed_tokens.weight)
     expected_mixed = expected_tokens(mixed, prompts)
     assert expected_mixed != expected_original
+    if shape:  # the prompts tell a new bias in an old layer apart
+        q_proj = mixed.model.layers[0].self_attn.q_proj
+        q_proj.bias.data.copy_(bad_model.model.layers[0].self_attn.q_proj.bias)
+        assert expected_tokens(mixed, prompts) != expected_mixed
     async with fresh_session() as session, HttpClient(vllm_server) as client:
         version_before = await served_version(session, vllm_server)
         engine = await trainer_init(TcpTrainerInitInfo(rank=0), client=client, source=source)
@@ -391,7 +418,7 @@ async def test_round_vllm_cannot_load_fails_and_leaves_each_layer_old_or_new(
         assert await served_tokens(session, vllm_server, prompts) == expected_mixed
         assert await served_version(session, vllm_server) == version_before
 
-        good_model = _vllm_model.build_model(original.config.vocab_size, seed=1)
+        good_model = _vllm_model.build_model(vocab, seed=1, **shape)
         engine = await trainer_init(
             TcpTrainerInitInfo(rank=0), client=client, source=ModuleSource(good_model)
         )
@@ -860,3 +887,46 @@ async def test_a_tp2_openai_server_serves_the_sliced_pushes_as_hf(
                 await engine.shutdown()
                 await client.shutdown()
                 await client.close()
+
+
+@needs_vllm
+@pytest.mark.usefixtures("vllm_shm_cleanup")
+def test_two_owner_trainer_ranks_push_their_shards_into_a_tp2_server_as_hf(
+    tp_model_dir: Path, vllm_tmp: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M:N into vLLM: two FSDP2 trainer ranks (gloo, each its `Shard(0)` rows, see
+    `_sliced_owners.vllm_owners`) send only their shards (`senders="owners"`) to the
+    two ranks of one server, each of which declared its slices. vLLM then generates as
+    HF does on the pushed weights, and the ranks together put no more than the
+    model's bytes (within `WIRE_BAR`) on the wire."""
+    import _dist
+    import _sliced_owners
+
+    expected = []
+    for seed in _sliced_owners.VLLM_SEEDS:
+        model = _vllm_model.build_model(TP_VOCAB, seed=seed, **TP_SHAPE)
+        expected.append(expected_tokens(model, prompts))
+    model_bytes = sum(p.nbytes for p in model.parameters())  # the tied head once
+    assert expected[0] != expected[1]
+    args = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    with run_vllm_server(tp_model_dir, vllm_tmp, "server-tp2-owners.log", *args, **TP_ENV) as url:
+        monkeypatch.setenv("ASYNCWT_TEST_WORKERS", url)
+        monkeypatch.setenv("ASYNCWT_TEST_PROMPTS", json.dumps(prompts))
+        monkeypatch.setenv("ASYNCWT_TEST_SHAPE", json.dumps(TP_SHAPE))
+        monkeypatch.setenv("ASYNCWT_TEST_VOCAB", str(TP_VOCAB))
+        ranks = _dist.run_ranks(_sliced_owners.vllm_owners, 2, vllm_tmp, timeout_s=300)
+    for rank, record in enumerate(ranks):
+        assert "error" not in record, f"rank {rank}:\n{record.get('error')}"
+        assert len(record["rounds"]) == _sliced_owners.ROUNDS
+    for r, row in enumerate(ranks[0]["rounds"], start=1):
+        assert row["tokens"] == expected[r - 1], r
+        assert row["version"] == f"v{r}"
+        rows = [record["rounds"][r - 1] for record in ranks]
+        assert [row["workers"] for row in rows] == [2, 2]  # both ranks of the one server
+        sent = [row["wire_bytes"] * row["workers"] for row in rows]
+        assert all(sent), sent  # each trainer rank holds rows every vLLM rank needs
+        assert sum(sent) <= WIRE_BAR * model_bytes, (sent, model_bytes)
+        print(
+            f"round v{r}, 2 owner ranks into TP=2: {sent} bytes on the wire for a model of "
+            f"{model_bytes} ({sum(sent) / model_bytes:.3f}x)"
+        )

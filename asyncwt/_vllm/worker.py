@@ -120,6 +120,8 @@ class VllmRoundMixin(DeferredWorkerEngine):
         self.vllm_weight_transfer_config = config
         """The `WeightTransferConfig` vLLM built this engine with."""
         self._layerwise = False
+        self._live: LiveTensors = {}
+        """Per layer, the tensors the open reload leaves live, and copies of them."""
         self._apply_failure: BaseException | None = None
 
     def _loader_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -166,6 +168,7 @@ class VllmRoundMixin(DeferredWorkerEngine):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self._live = _live_tensors(self.model)
         self._layerwise = True
         try:
             super().receive_weights(update_info)
@@ -231,7 +234,8 @@ class VllmRoundMixin(DeferredWorkerEngine):
 
         After a `failed` round, layers that received only some of their weights get
         their previous weights back instead of being processed half-loaded (vLLM's
-        finalize would fill the missing part with uninitialised memory).
+        finalize would fill the missing part with uninitialised memory), the tensors
+        the reload kept live (biases, loaded on arrival) included.
         """
         if not self._layerwise:
             return
@@ -242,19 +246,42 @@ class VllmRoundMixin(DeferredWorkerEngine):
         except AsyncwtError as exc:  # the round failed already; its error is reported there
             logger.debug("dropping an apply error while finalizing vLLM's reload: %r", exc)
         self._layerwise = False
+        live, self._live = self._live, {}
         if failed:
-            _forget_partial_layers(self.model)
+            _forget_partial_layers(self.model, live)
         finalize: Any = finalize_layerwise_reload  # untyped in vLLM
         finalize(self.model, self.model_config)
         refresh_tied_lm_head(self.model)
 
 
-def _forget_partial_layers(model: torch.nn.Module) -> None:
+LiveTensors = dict[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]
+"""Per layer: each tensor a layerwise reload left live, and a copy of its values."""
+
+
+def _live_tensors(model: torch.nn.Module) -> LiveTensors:
+    """Copies of the parameters `initialize_layerwise_reload` left in place.
+
+    vLLM's reload moves a layer's parameters to the meta device and buffers what
+    arrives until the layer is complete, except those it never moves (`bias`, see
+    `SKIP_TENSORS` in its `reload/meta.py`): their loader writes into the served
+    parameter as soon as the tensor arrives. A failed round puts these copies back.
+    Biases are small (a row of the weight), so the copies cost little.
+    """
+    live: LiveTensors = {}
+    for layer in model.modules():
+        kept = [p for p in layer.parameters(recurse=False) if not p.is_meta]
+        if kept:
+            live[layer] = [(p, p.detach().clone()) for p in kept]
+    return live
+
+
+def _forget_partial_layers(model: torch.nn.Module, live: LiveTensors) -> None:
     """Drop what half-loaded layers buffered, so finalizing restores their old weights.
 
     Uses vLLM's per-layer reload state (`get_layerwise_info`): a layer still waiting
     for weights (`can_load()`) that buffered some is reset to "nothing loaded", which
-    `finalize_layerwise_reload` answers by putting the layer's previous tensors back.
+    `finalize_layerwise_reload` answers by putting the layer's previous tensors back;
+    its live tensors (`_live_tensors`) get their previous values here.
     """
     try:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -266,6 +293,9 @@ def _forget_partial_layers(model: torch.nn.Module) -> None:
         if info.can_load() and info.load_numel > 0:
             info.loaded_weights = []
             info.load_numel = 0
+            with torch.no_grad():
+                for tensor, before in live.get(layer, ()):
+                    tensor.copy_(before)
 
 
 def vllm_worker_engine_class(
