@@ -42,18 +42,22 @@ def format_layouts(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### M trainer ranks to tensor-parallel engines (M:N), every rank a host",
         "",
-        "Layouts: tp2 = one engine of 2 ranks, tp4 = one of 4, 2xtp2 = two engines of 2. "
-        "M = 1: rank 0 sends everything; M > 1: FSDP2 owner senders (every rank its own "
-        "rows, no gather). sliced: every rank receives exactly its slices "
-        "(`fanout=Star(slices=True)`); whole: as many receivers, each taking the whole model "
-        "(before this issue). ideal = max(payload through the busiest trainer link, payload "
-        "through the busiest receiver link) / rate, counted from the boxes. Busiest links: "
-        "payload the plan puts there / bytes the interfaces counted per round (GSO: "
-        "headers once per 64 KiB).",
+        (
+            "Layouts: tp2 = one engine of 2 ranks, tp4 = one of 4, 2xtp2 = two engines of 2. "
+            "M = 1: rank 0 sends everything; M > 1: FSDP2 owner senders (every rank its own "
+            "rows, no gather). sliced: every rank receives exactly its slices "
+            "(`fanout=Star(slices=True)`); whole: as many receivers, each taking the whole model "
+            "(before this issue). ideal = max(payload through the busiest trainer link, payload "
+            "through the busiest receiver link) / rate, counted from the boxes. Busiest links: "
+            "payload the plan puts there / bytes the interfaces counted per round (GSO: "
+            "headers once per 64 KiB)."
+        ),
         "",
-        "| rate | layout | M | sliced s | ideal s | x ideal | whole s | whole ideal s "
-        "| sliced / whole | busiest trainer link MiB | busiest receiver link MiB "
-        "| cores: run (busiest) / machine | bound | bit-exact |",
+        (
+            "| rate | layout | M | sliced s | ideal s | x ideal | whole s | whole ideal s "
+            "| sliced / whole | busiest trainer link MiB | busiest receiver link MiB "
+            "| cores: run (busiest) / machine | bound | bit-exact |"
+        ),
         "|" + " --- |" * 14,
     ]
     verdicts = []

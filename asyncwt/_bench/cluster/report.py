@@ -271,6 +271,9 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
         )
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(title="link rate", fontsize=8)
+    if kinds == ["layouts"]:  # the footer below explains the other panels' lines
+        fig.tight_layout()
+        return _save(fig, plt, out)
     fig.text(
         0.5, 0.005,
         "solid: star; dash-dot: chain; dash-dot-dot: owner senders; dashed: ideal (model bytes / one link's rate); "
@@ -278,6 +281,10 @@ def write_chart(report: dict[str, Any], out: Path) -> tuple[Path | None, str]:
         ha="center", fontsize=8,
     )  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return _save(fig, plt, out)
+
+
+def _save(fig: Any, plt: Any, out: Path) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cluster.png"
     fig.savefig(path, dpi=110)
