@@ -107,9 +107,28 @@ def test_cluster_quick_run_is_bit_exact_and_leaves_nothing(tmp_path: Path) -> No
         ("workers", 2, 1, "1 Gbit/s", None, "chain"),
         ("ranks", 2, 2, "1 Gbit/s", "rank0", "star"),
         ("ranks", 2, 2, "1 Gbit/s", "owners", "star"),
+        ("layouts", 2, 2, "1 Gbit/s", "owners", "star"),
+        ("layouts", 2, 2, "1 Gbit/s", "owners", "star"),
     ]
     model_bytes = report["meta"]["model"]["bytes"]
+    sliced, whole = [r for r in report["rows"] if r["kind"] == "layouts"]
+    assert (sliced["layout"], sliced["sliced"], whole["layout"]) == ("tp2", True, "whole")
+    for row in (sliced, whole):  # every rank checked against its own shard's checksum
+        assert row["bit_exact"] is True and len(row["rounds_s"]) == 3
+        assert row["ideal_s"] == pytest.approx(max(row["plan_received"]) * 8 / 1e9)
+        # Each host's link, counted by its interface: at least the plan's payload, and
+        # little more (frame headers, the control plane).
+        for i, planned in enumerate(row["plan_sent"]):
+            assert planned <= row["link_bytes"][f"trainer rank {i}"] < planned * 1.1 + 2**20
+        for i, planned in enumerate(row["plan_received"]):
+            assert planned <= row["link_bytes"][f"worker {i}"] < planned * 1.1 + 2**20
+    # Sliced ranks receive about half the model each; whole receivers all of it.
+    assert max(sliced["plan_received"]) < 0.55 * model_bytes
+    assert whole["plan_received"] == [model_bytes, model_bytes]
+    assert "sliced rows within 1.25x of their ideal:" in stdout
     for row in report["rows"]:
+        if row["kind"] == "layouts":
+            continue
         assert row["bit_exact"] is True
         assert len(row["rounds_s"]) == 3 and len(row["warmup_s"]) == 1
         assert row["bytes_per_round"] == model_bytes

@@ -272,13 +272,11 @@ def test_tp_receivers_of_an_fsdp_trainer_get_their_rows_from_the_ranks_that_hold
     edge = rp.pairs.pair(1, 0)
     assert edge is not None
     (bucket,) = [b for b in edge.selection.plan.buckets if b.slices]
-    # rank 1's rows 2 and 3 of receiver 0's columns: bytes 24.. of its (4, 3) tensor,
-    # a run per row (half of each of rank 1's rows), then the second half of 'norm'
-    assert [(s.param, s.start, s.nbytes) for s in bucket.slices] == [
-        (1, 24, 12),
-        (1, 36, 12),
-        (2, 12, 12),
-    ]
+    # rank 1's rows 2 and 3 of receiver 0's columns: half of each of rank 1's rows (a
+    # run per row there), but bytes 24..48 of the receiver's (4, 3) tensor, so one
+    # slice lands both; then the second half of 'norm'
+    assert [(s.param, s.start, s.nbytes) for s in bucket.slices] == [(1, 24, 24), (2, 12, 12)]
+    assert edge.selection.picks[bucket.index] == ((0, 12), (24, 12), (48, 12))
 
 
 # --- edges, digest, choices -----------------------------------------------------------------

@@ -168,7 +168,7 @@ def select(
                     ranges[-1] = (ranges[-1][0], ranges[-1][1] + hi - lo)
                 else:
                     ranges.append((at, hi - lo))
-                slices.append(Slice(local_index[s.param], run.dst + lo - run.src, hi - lo, offset))
+                _append_run(slices, local_index[s.param], run.dst + lo - run.src, hi - lo, offset)
                 offset += hi - lo
             payload += s.nbytes
         buckets.append(Bucket(bucket.index, tuple(slices), offset, offset))
@@ -187,6 +187,23 @@ def select(
         param_buckets=tuple(tuple(b) for b in per_param),
     )
     return Selection(receiver_plan, tuple(picks))
+
+
+def _append_run(slices: list[Slice], param: int, start: int, nbytes: int, offset: int) -> None:
+    """Add a run to a receiver's bucket, merged into the last slice when it continues
+    it in both the local tensor and the bucket: a column slice of a row-sharded piece
+    is one run per row in the sender's tensor but one range of the receiver's (its
+    box), so it lands with one copy, not one per row."""
+    last = slices[-1] if slices else None
+    if (
+        last is not None
+        and last.param == param
+        and last.end == start
+        and last.offset + last.nbytes == offset
+    ):
+        slices[-1] = Slice(param, last.start, last.nbytes + nbytes, last.offset)
+    else:
+        slices.append(Slice(param, start, nbytes, offset))
 
 
 def wants_of(full: TransferPlan, boxes: Sequence[Box], plan: TransferPlan) -> list[Box]:

@@ -243,6 +243,6 @@ def _to_local(landing: TransferPlan, plan: TransferPlan) -> Callable[[Slice], It
     to = [index[meta.name] for meta in plan.params]
 
     def land(s: Slice) -> Iterable[Slice]:
-        return (dataclasses.replace(s, param=to[s.param]),)
+        return (Slice(to[s.param], s.start, s.nbytes, s.offset),)
 
     return land

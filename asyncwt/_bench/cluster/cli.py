@@ -71,10 +71,12 @@ PRESETS = {
     "default": {"model_mib": 32.0, "workers": (1, 2, 4, 8), "ranks": (1, 2, 4),
                 "rates_bps": (250 * 10**6, 10**9, 10 * 10**9, None)},
     "quick": {"model_mib": 16.0, "workers": (1, 2), "ranks": (2,), "rates_bps": (10**9,),
-              "senders": ("rank0", "owners"), "topologies": ("star", "chain")},
+              "senders": ("rank0", "owners"), "topologies": ("star", "chain"),
+              "layouts": ("tp2",), "layout_ranks": (2,)},
 }  # fmt: skip
-"""`quick`: one and two workers (star and chain) and two FSDP2 ranks (gathered and
-owner senders), a 16 MiB model, 1 Gbit/s: CI-sized."""
+"""`quick`: one and two workers (star and chain), two FSDP2 ranks (gathered and
+owner senders), and two owner ranks to one engine of two sliced ranks, a 16 MiB model,
+1 Gbit/s: CI-sized."""
 
 
 def _senders(text: str) -> tuple[str, ...]:
@@ -113,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="preset",
         const="quick",
         default="default",
-        help="N = 1, 2 workers (star and chain) and M = 2 ranks (both senders), 16 MiB model, "
-        "1 Gbit/s only: "
-        "CI-sized",
+        help="N = 1, 2 workers (star and chain), M = 2 ranks (both senders) and M = 2 to "
+        "tp2, 16 MiB model, 1 Gbit/s only: CI-sized",
     )
     parser.add_argument("--model-mib", type=float, metavar="MIB", help="model size (default 32)")
     parser.add_argument(
