@@ -116,6 +116,7 @@ def plot_layouts(ax: Any, rows: list[dict[str, Any]]) -> None:
     rate = layouts[0]["rate_bps"]
     layouts = [r for r in layouts if r["rate_bps"] == rate]
     names = list(dict.fromkeys(r["layout"] for r in layouts if r["sliced"]))
+    drawn: set[int] = set()  # whole receivers run once per count, shared by layouts
     for index, name in enumerate(names):
         color = _COLORS.get(name, ["#d98c5f", "#999999", "#cc0000"][index % 3])
         points = sorted((r for r in layouts if r["layout"] == name), key=lambda r: r["ranks"])
@@ -130,7 +131,8 @@ def plot_layouts(ax: Any, rows: list[dict[str, Any]]) -> None:
         if points[0]["ideal_s"] is not None:
             ax.plot(xs, [r["ideal_s"] for r in points], "--", color=color, linewidth=1)
         wholes = [_whole_of(layouts, r) for r in points]
-        if all(w is not None for w in wholes):
+        if points[0]["workers"] not in drawn and all(w is not None for w in wholes):
+            drawn.add(points[0]["workers"])
             ax.plot(
                 xs, [w["median_s"] for w in wholes if w is not None], ":", color=color,
                 linewidth=1.4, label=f"{len(points[0]['plan_received'])} whole receivers",
