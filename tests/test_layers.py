@@ -245,3 +245,11 @@ def test_no_backend_subclasses_an_engine() -> None:
         "X(PipelinedTrainerEngine)",
         "Y(DeferredWorkerEngine)",
     ]
+
+
+def test_the_engines_name_no_sender_layer(graph: dict[str, set[str]]) -> None:
+    """A mode is a layer around a transport: the engines see only the transport's
+    interface (`receiver_layouts`, ...), never which layers it wears."""
+    layers = {"asyncwt._transports.sliced", "asyncwt._transports.layer", "asyncwt._delta.links"}
+    for engine in ("asyncwt._trainer.engine", "asyncwt._worker.engine"):
+        assert not graph[engine] & layers, (engine, sorted(graph[engine] & layers))

@@ -37,7 +37,6 @@ from .._core.stats import Progress, RoundStats
 from .._core.trainer_api import TrainerInitInfo, TrainerWeightTransferEngine
 from .._transports.backend import Fleet, TransportBackend, bound_class
 from .._transports.base import SenderTransport
-from .._transports.sliced import SlicedSender
 from .calls import bounded_call, round_failed
 from .owners import OwnerRanks
 from .pipeline import PipelineConfig, StagingPool, iterate_and_check, run_pipeline
@@ -156,8 +155,8 @@ class PipelinedTrainerEngine(TrainerWeightTransferEngine[TInfo]):
                 engine.transport = await engine._open_transport(side, choices)
                 # The needs, as declared: every sending rank (rank 0, or each owner rank)
                 # read them on its own links, and records them in its links' order.
-                if isinstance(engine.transport, SlicedSender):
-                    layouts = engine.transport.layouts()
+                layouts = engine.transport.receiver_layouts()
+                if layouts is not None:
                     engine.round_plan = with_receiver_layouts(engine.round_plan, layouts)
                 if fleet is not None:
                     fleet.attach(engine.transport)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from .._core.plan import Bucket
+from .._core.receiver_layout import ReceiverLayout
 
 __all__ = [
     "InitWorkers",
@@ -91,6 +92,12 @@ class SenderTransport(ABC):
     def staging(self, slot: int) -> torch.Tensor | None:
         """The transport's own buffer for pipeline slot `slot` (shared memory, say),
         or `None` to pack into the pipeline's pool."""
+        return None
+
+    def receiver_layouts(self) -> Sequence[ReceiverLayout] | None:
+        """What each worker declared it holds at `rendezvous`, in the order of its
+        links, where workers hold slices (sliced receivers); None where each holds
+        the plan whole. The engine records them in its round plan."""
         return None
 
     def prepare(self) -> None:

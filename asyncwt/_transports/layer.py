@@ -7,10 +7,12 @@ call to the sender it wraps, so a layer says only what it changes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .._core.receiver_layout import ReceiverLayout
 from .base import InitWorkers, SenderTransport
 from .link import LinkedSender
 
@@ -29,6 +31,9 @@ class SenderLayer(SenderTransport):
 
     def staging(self, slot: int) -> torch.Tensor | None:
         return self.inner.staging(slot)
+
+    def receiver_layouts(self) -> Sequence[ReceiverLayout] | None:
+        return self.inner.receiver_layouts()
 
     def prepare(self) -> None:
         self.inner.prepare()

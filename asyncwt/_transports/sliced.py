@@ -107,7 +107,7 @@ class SlicedSender(SenderLayer):
             self.plan.total_bytes,
         )
 
-    def layouts(self) -> list[ReceiverLayout]:
+    def receiver_layouts(self) -> list[ReceiverLayout]:
         """What each worker declared, in the order of the links' peers."""
         return [ReceiverLayout(self.full.params, self.needs[peer]) for peer in self.links.peers]
 
