@@ -27,6 +27,7 @@ __all__ = [
     "LlamaShape",
     "SyntheticLlama",
     "fill_random",
+    "shape_from_env",
     "worker_model",
     "worker_model_for",
 ]
@@ -196,23 +197,31 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
             flat[0] = float(index % 97) / 97.0  # distinct first element per parameter
 
 
-def worker_model_for(shape: LlamaShape) -> SyntheticLlama:
-    """A model of `shape` filled with zeros, every page touched.
+def worker_model_for(
+    shape: LlamaShape, shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None
+) -> SyntheticLlama:
+    """A model of `shape` (its parameters shaped as `shapes`, if given) filled with
+    zeros, every page touched.
 
     Zero-filling touches every page now, so the worker's resident memory holds the
     whole model before the first round: extra memory measured later is the
     transfer's own.
     """
-    model = SyntheticLlama(shape)
+    model = SyntheticLlama(shape, shapes)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
     return model
 
 
-def worker_model() -> SyntheticLlama:
-    """`asyncwt worker --model` factory: the shape in `$ASYNCWT_BENCH_MODEL`, zeros."""
+def shape_from_env() -> LlamaShape:
+    """The shape a benchmark worker builds: `$ASYNCWT_BENCH_MODEL`."""
     text = os.environ.get(MODEL_ENV)
     if not text:
         raise RuntimeError(f"{MODEL_ENV} should hold a JSON LlamaShape; it is unset")
-    return worker_model_for(LlamaShape.from_json(text))
+    return LlamaShape.from_json(text)
+
+
+def worker_model() -> SyntheticLlama:
+    """`asyncwt worker --model` factory: the shape in `$ASYNCWT_BENCH_MODEL`, zeros."""
+    return worker_model_for(shape_from_env())

@@ -12,14 +12,12 @@ end); the norms whole (replicated). `tp_worker_model` is the `asyncwt worker --r
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .._core.meta import ParamMeta
 from .._core.owners import Box
 from .._core.receiver_layout import kv_heads_box, range_box, shard_box, whole_box
-from ._model import MODEL_ENV, LlamaShape, SyntheticLlama
+from ._model import LlamaShape, SyntheticLlama, shape_from_env, worker_model_for
 
 __all__ = ["HEAD_DIM", "tp_boxes", "tp_shard", "tp_worker_model"]
 
@@ -65,10 +63,7 @@ def tp_boxes(shape: LlamaShape, rank: int, world_size: int) -> dict[str, Box]:
 
 def _zeros(shape: LlamaShape, rank: int, world_size: int) -> SyntheticLlama:
     boxes = tp_boxes(shape, rank, world_size)
-    model = SyntheticLlama(shape, [(name, box.size) for name, box in boxes.items()])
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
+    model = worker_model_for(shape, [(name, box.size) for name, box in boxes.items()])
     layout = {name: (box.start, box.size) for name, box in boxes.items()}
     model.asyncwt_layout = layout  # type: ignore[assignment]
     return model
@@ -88,7 +83,4 @@ def tp_shard(full: SyntheticLlama, rank: int, world_size: int) -> SyntheticLlama
 def tp_worker_model(rank: int, world_size: int) -> SyntheticLlama:
     """`asyncwt worker --ranks N --model asyncwt._bench._tp_model:tp_worker_model`:
     rank `rank`'s shards of the shape in `$ASYNCWT_BENCH_MODEL`, zeros."""
-    text = os.environ.get(MODEL_ENV)
-    if not text:
-        raise RuntimeError(f"{MODEL_ENV} should hold a JSON LlamaShape; it is unset")
-    return _zeros(LlamaShape.from_json(text), rank, world_size)
+    return _zeros(shape_from_env(), rank, world_size)

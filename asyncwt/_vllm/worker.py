@@ -168,9 +168,9 @@ class VllmRoundMixin(DeferredWorkerEngine):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
-        self._live = _live_tensors(self.model)
         self._layerwise = True
         try:
+            self._live = _live_tensors(self.model)
             super().receive_weights(update_info)
         except BaseException:
             self._end_layerwise(failed=True)

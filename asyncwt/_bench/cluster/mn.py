@@ -64,7 +64,7 @@ def layout_rows(
                 log_dir,
                 model=TP_MODEL,
                 port=SLICED_PORT,
-                args=functools.partial(_rank_args, shards),
+                args=functools.partial(_worker_args, shards),
                 role=f"{layout.name}-rank",
             )
             for m in settings.layout_ranks:
@@ -76,7 +76,7 @@ def layout_rows(
     return rows
 
 
-def _rank_args(shards: Sequence[Shard], index: int) -> tuple[str, ...]:
+def _worker_args(shards: Sequence[Shard], index: int) -> tuple[str, ...]:
     """The worker arguments of receiver `index`: its place in its engine."""
     rank, world_size = shards[index]
     return ("--ranks", str(world_size), "--rank", str(rank))
@@ -118,7 +118,7 @@ def _row(
         ideal_bytes=busiest,
         plan_sent=sent,
         plan_received=received,
-        link_bytes=record["link_bytes"],
+        link_bytes=record["host_bytes"],
     )
     log(
         f"    M = {m} to {layout if sliced else f'{len(shards)} whole receivers'}: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .settings import MiB
+from .settings import MiB, format_ratio, format_seconds
 
 __all__ = ["MN_BAR", "format_layouts", "plot_layouts"]
 
@@ -73,10 +73,10 @@ def format_layouts(rows: list[dict[str, Any]]) -> list[str]:
             beside = "- | - | -"
         else:
             ratio = r["median_s"] / whole["median_s"]
-            beside = f"{whole['median_s']:.3f} | {_s(whole['ideal_s'])} | {ratio:.2f}"
+            beside = f"{whole['median_s']:.3f} | {format_seconds(whole['ideal_s'])} | {ratio:.2f}"
         lines.append(
             f"| {r['rate']} | {r['layout']} | {r['ranks']} | {r['median_s']:.3f} | "
-            f"{_s(r['ideal_s'])} | {_x(r['ratio_to_ideal'])} | {beside} | "
+            f"{format_seconds(r['ideal_s'])} | {format_ratio(r['ratio_to_ideal'])} | {beside} | "
             f"{trainer} | {receiver} | {cores} | {r['bound']} | {'yes' if exact else 'NO'} |"
         )
         if r["ratio_to_ideal"] is not None:
@@ -93,14 +93,6 @@ def format_layouts(rows: list[dict[str, Any]]) -> list[str]:
         ]
         lines.append("")
     return lines
-
-
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 _COLORS = {"tp2": "#3b7dd8", "tp4": "#6aa84f", "2xtp2": "#8e63b8"}

@@ -184,12 +184,15 @@ async def _run_job(
                     version = f"{label}-{index}"
                     mark = meter.mark()
                     machine_mark = machine_cpu_s()
-                    sent_before = _link_tx_bytes()
                     hosts_before = _host_bytes(hosts) if rank == 0 else {}
                     started = time.monotonic()
                     stats = await engine.send_weights(weight_version=version)
-                    sent_after = _link_tx_bytes()
                     hosts_after = _host_bytes(hosts) if rank == 0 else {}
+                    host_bytes = {
+                        h: hosts_after[h] - hosts_before[h]
+                        for h in hosts_after
+                        if h in hosts_before
+                    }
                     wall = stats.wall_s if stats.wall_s > 0 else time.monotonic() - started
                     cores = meter.cores_busy(mark, wall)
                     machine_now = machine_cpu_s()
@@ -218,10 +221,7 @@ async def _run_job(
                         {"wall_s": wall, "bytes": stats.total_bytes or stats.bytes,
                          "rank0_bytes": stats.bytes, "buckets": stats.buckets,
                          "cores": cores, "machine_cores": machine, "bit_exact": exact, "warmup": index < warmup,
-                         "link_bytes": None if sent_before is None or sent_after is None
-                         else sent_after - sent_before,
-                         "host_bytes": {h: hosts_after[h] - hosts_before[h] for h in hosts_after
-                                        if h in hosts_before}}
+                         "link_bytes": host_bytes.get("trainer rank 0"), "host_bytes": host_bytes}
                     )  # fmt: skip
             finally:
                 await engine.shutdown()
@@ -239,7 +239,7 @@ async def _run_job(
             [{"machine": r["machine_cores"]} for r in timed if r["machine_cores"] is not None]
         ).get("machine"),
         "bit_exact": bool(timed) and all(r["bit_exact"] for r in timed),
-        "link_bytes": _mean_bytes([r["host_bytes"] for r in timed]),
+        "host_bytes": _mean_bytes([r["host_bytes"] for r in timed]),
     }, flipped
 
 
@@ -248,17 +248,6 @@ def _mean_bytes(rounds: list[dict[str, int]]) -> dict[str, float]:
     counted in the next round still count)."""
     names = set().union(*rounds) if rounds else set()
     return {n: sum(r.get(n, 0) for r in rounds) / len(rounds) for n in sorted(names)}
-
-
-def _link_tx_bytes() -> int | None:
-    """Bytes this host's link has sent (its interface's counter, headers included),
-    or None where it cannot be read: what the trainer's link carried in a round."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    try:
-        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as counter:
-            return int(counter.read())
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 def _host_bytes(hosts: dict[str, tuple[int, str]]) -> dict[str, int]:

@@ -7,18 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from .mn_report import format_layouts, plot_layouts
+from .settings import format_ratio, format_seconds
 
 __all__ = ["format_table", "write_chart", "write_json", "write_table"]
 
 MiB = 1 << 20
-
-
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 def _cores(row: dict[str, Any]) -> str:
@@ -94,8 +87,8 @@ def format_table(report: dict[str, Any]) -> str:
             link_mib = "-" if not link else f"{link / MiB:.1f}"
             bound = {"CPU": "**CPU**", "other": "*other*"}.get(r["bound"], r["bound"])
             lines.append(
-                f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {_s(r['ideal_s'])} | "
-                f"{_x(r['ratio_to_ideal'])} | {_s(r['star_bound_s'])} | {_x(r['ratio_to_star'])} "
+                f"| {r['rate']} | {count}{note} | {r['median_s']:.3f} | {format_seconds(r['ideal_s'])} | "
+                f"{format_ratio(r['ratio_to_ideal'])} | {format_seconds(r['star_bound_s'])} | {format_ratio(r['ratio_to_star'])} "
                 f"| {r['gbit_per_worker']:.2f} | {_cores(r)} | {bound} | "
                 f"{'yes' if r['bit_exact'] else 'NO'} | {link_mib} |"
             )

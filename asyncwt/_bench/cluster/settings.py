@@ -18,6 +18,8 @@ __all__ = [
     "Log",
     "MiB",
     "format_rate",
+    "format_ratio",
+    "format_seconds",
     "rate_label",
 ]
 
@@ -38,6 +40,16 @@ def format_rate(rate_bps: int | None) -> str:
         if rate_bps >= scale:
             return f"{rate_bps / scale:g} {unit}"
     return f"{rate_bps} bit/s"
+
+
+def format_seconds(value: float | None) -> str:
+    """`0.530`, or `-` for none (an uncapped row's ideal)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_ratio(value: float | None) -> str:
+    """`1.18x`, or `-` for none."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def rate_label(rate_bps: int | None) -> str:
